@@ -1,0 +1,3 @@
+from .torch_ref import TorchAttentionBackend
+
+__all__ = ["TorchAttentionBackend"]

@@ -1,0 +1,90 @@
+"""Reference attention over the paged KV cache in plain PyTorch (CPU and GPU).
+
+prepare() turns block tables into KV slot indices once per forward; forward() runs per layer.
+Decode batches (one query per request) go through one batched SDPA; extend/verify requests
+(several queries: prefill chunks, verify blocks, trees) run one SDPA each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..forward_batch import ForwardBatch
+from ..kv import PagedKVCache
+
+
+@dataclass(slots=True)
+class TorchAttentionMetadata:
+    decode: bool
+    # decode: [B, S_max] slot indices (padded with slot 0) and [B, 1, 1, S_max] validity mask
+    slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    # extend: per request (query offset, query len, kv slot indices [S], attention mask [q, S])
+    per_request: list[tuple[int, int, torch.Tensor, torch.Tensor]] | None = None
+
+
+def _slot_indices(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    pos = torch.arange(length, device=block_table.device)
+    return block_table[pos // block_size] * block_size + pos % block_size
+
+
+class TorchAttentionBackend:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+
+    def prepare(self, batch: ForwardBatch, block_size: int) -> TorchAttentionMetadata:
+        device = batch.input_ids.device
+        if batch.is_decode:
+            s_max = max(batch.seq_lens_cpu)
+            pos = torch.arange(s_max, device=device)
+            slots = batch.block_tables[:, pos // block_size] * block_size + pos % block_size
+            valid = pos[None, :] < batch.seq_lens[:, None]
+            if self.sliding_window is not None:
+                valid &= pos[None, :] > (batch.seq_lens[:, None] - 1 - self.sliding_window)
+            # padded keys read slot 0 but are masked out
+            slots = torch.where(valid, slots, torch.zeros_like(slots))
+            return TorchAttentionMetadata(True, slots=slots, mask=valid[:, None, None, :])
+        per_request = []
+        offset = 0
+        for i, (q_len, s_len) in enumerate(zip(batch.query_lens, batch.seq_lens_cpu)):
+            slots = _slot_indices(batch.block_tables[i], s_len, block_size)
+            prefix = s_len - q_len
+            kv_idx = torch.arange(s_len, device=device)
+            q_idx = torch.arange(q_len, device=device) + prefix
+            mask = kv_idx[None, :] <= q_idx[:, None]
+            custom = batch.custom_masks[i] if batch.custom_masks is not None else None
+            if custom is not None:
+                mask = mask.clone()
+                mask[:, prefix:] = custom.to(device)
+            if self.sliding_window is not None:
+                mask &= kv_idx[None, :] > (q_idx[:, None] - self.sliding_window)
+            per_request.append((offset, q_len, slots, mask))
+            offset += q_len
+        return TorchAttentionMetadata(False, per_request=per_request)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                batch: ForwardBatch, meta: TorchAttentionMetadata, kv: PagedKVCache) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D] for this step's tokens. Returns [T, H * D]."""
+        kv.write(layer, batch.out_cache_loc, k, v)
+        k_cache, v_cache = kv.k[layer], kv.v[layer]
+        if meta.decode:
+            keys = k_cache[meta.slots].transpose(1, 2)  # [B, Hkv, S, D]
+            values = v_cache[meta.slots].transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q[:, :, None, :], keys, values, attn_mask=meta.mask, scale=self.scale, enable_gqa=True
+            )  # [B, H, 1, D]
+            return out.reshape(q.shape[0], -1)
+        out = torch.empty_like(q)
+        for offset, q_len, slots, mask in meta.per_request:
+            qi = q[offset:offset + q_len].transpose(0, 1)[None]  # [1, H, q, D]
+            keys = k_cache[slots].transpose(0, 1)[None]
+            values = v_cache[slots].transpose(0, 1)[None]
+            oi = F.scaled_dot_product_attention(qi, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out[offset:offset + q_len] = oi[0].transpose(0, 1)
+        return out.reshape(q.shape[0], -1)

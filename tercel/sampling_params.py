@@ -1,0 +1,57 @@
+"""Per-request sampling parameters, validated on construction (vLLM's field names)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; 0: chosen token only; n: plus top-n
+    skip_special_tokens: bool = True
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        checks = [
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
+            (self.temperature >= 0.0, "temperature", ">= 0 (0 means greedy)"),
+            (0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]"),
+            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "0/-1 (off) or a positive integer"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]"),
+            (self.repetition_penalty > 0.0, "repetition_penalty", "> 0 (1 means off)"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+             "logprobs", "None or an integer in [0, 20]"),
+            (isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "an integer >= 0"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "non-negative token ids"),
+        ]
+        for ok, name, want in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: must be {want}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0

@@ -1,0 +1,106 @@
+"""Continuous batching: FCFS admission, chunked prefill under a per-step token budget, and
+preemption by recompute when KV blocks run out (the newest running request gives its blocks back
+and re-enters the queue; it is never dropped)."""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+from .kv import BlockAllocator
+from .request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens computed for it this step
+
+    @property
+    def completes_sequence(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so a token is sampled after it."""
+        r = self.request
+        return r.num_computed_tokens + self.num_tokens == r.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_needed(self, req: Request, num_new_tokens: int) -> int:
+        total = req.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(req.block_table))
+
+    def _release(self, req: Request) -> None:
+        self.allocator.free(req.block_table)
+        req.block_table = []
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.num_computed_tokens = 0  # recompute prompt + output on readmission
+        req.status = RequestStatus.WAITING
+        req.metrics.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self, extra_tokens_per_request: int = 0) -> SchedulerOutput:
+        """extra_tokens_per_request: KV slots reserved beyond the computed tokens (speculative verify)."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = self._blocks_needed(req, n + extra_tokens_per_request)
+            while need > self.allocator.num_free:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break
+            req.block_table.extend(self.allocator.allocate(need))
+            scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+            i += 1
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                need = self._blocks_needed(req, n + extra_tokens_per_request)
+                if need > self.allocator.num_free:
+                    break
+                self.waiting.popleft()
+                req.block_table.extend(self.allocator.allocate(need))
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                scheduled.append(ScheduledRequest(req, n))
+                budget -= n
+        return SchedulerOutput(scheduled, preempted)
+
+    def finish(self, req: Request) -> None:
+        """Drop a request (finished or aborted) and free its KV blocks at once."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = RequestStatus.FINISHED
