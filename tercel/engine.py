@@ -58,12 +58,14 @@ class LLMEngine:
                  device: str | torch.device = "auto", max_model_len: int | None = None,
                  kv_cache_memory: int | None = None, num_kv_blocks: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, gpu_memory_utilization: float = 0.85,
-                 seed: int = 0, progress: bool = True, loaded: LoadedModel | None = None) -> None:
+                 seed: int = 0, progress: bool = True, skip_tokenizer_init: bool = False,
+                 loaded: LoadedModel | None = None) -> None:
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.device)
         self.rng = torch.Generator().manual_seed(seed)
         if loaded is None:
-            loaded = load_model(model, self.dtype, self.device, max_model_len=max_model_len, progress=progress)
+            loaded = load_model(model, self.dtype, self.device, max_model_len=max_model_len,
+                                load_tokenizer_too=not skip_tokenizer_init, progress=progress)
         self.loaded = loaded
         self.model = loaded.model
         self.model_config = loaded.config

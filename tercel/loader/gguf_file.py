@@ -127,7 +127,7 @@ def iter_gguf_tensors(reader, path: Path, cfg: dict[str, Any]) -> Iterator[tuple
                               f"supported: {', '.join(SUPPORTED_QUANTS)}.")
         shape = tuple(int(d) for d in reversed(t.shape))
         arr = gguf.quants.dequantize(t.data, t.tensor_type) if qtype not in ("F32", "F16") else t.data
-        tensor = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(shape))
+        tensor = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))
         if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             tensor = _unpermute(tensor, heads)
