@@ -44,7 +44,8 @@ def open_reader(path: Path):
     try:
         return gguf.GGUFReader(str(path))
     except Exception as e:  # the reader raises ValueError/struct errors on corrupt files
-        raise ConfigError(f"cannot read GGUF file {path}: {e}") from e
+        raise ConfigError(f"cannot read GGUF file {path}: {e} (the file is corrupt or truncated; "
+                          f"re-download or re-convert it).") from e
 
 
 def _field(reader, key: str, default: Any = None) -> Any:
@@ -73,9 +74,18 @@ def gguf_config(reader, path: Path) -> dict[str, Any]:
     if "rope_freqs.weight" in names:
         raise ConfigError(f"{path}: per-frequency RoPE factors (rope_freqs.weight) are not supported yet; "
                           f"use the HF safetensors checkpoint of this model.")
+    # Vocab size: the metadata key, else the tokenizer's token list, else the embedding's row count
+    # (GGUF shapes are reversed: token_embd is [hidden, vocab]).
+    vocab = _field(reader, f"{arch}.vocab_size") or len(tokens)
+    if not vocab:
+        embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if embd is None:
+            raise ConfigError(f"{path}: GGUF file has no {arch}.vocab_size, no tokenizer.ggml.tokens and no "
+                              f"token_embd.weight, so its vocabulary size is unknown.")
+        vocab = int(embd.shape[-1])
     cfg: dict[str, Any] = {
         "architectures": [GGUF_ARCHS[arch]],
-        "vocab_size": int(_field(reader, f"{arch}.vocab_size") or len(tokens)),
+        "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")),
@@ -92,7 +102,11 @@ def gguf_config(reader, path: Path) -> dict[str, Any]:
     }
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling and scaling != "none":
-        cfg["rope_scaling"] = {"rope_type": scaling, "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+        factor = _field(reader, f"{arch}.rope.scaling.factor")
+        if factor is None:
+            raise ConfigError(f"{path}: GGUF metadata sets {arch}.rope.scaling.type={scaling!r} but lacks "
+                              f"{arch}.rope.scaling.factor.")
+        cfg["rope_scaling"] = {"rope_type": scaling, "factor": float(factor)}
     sliding = _field(reader, f"{arch}.attention.sliding_window")
     if sliding:
         cfg["sliding_window"] = int(sliding)
@@ -130,5 +144,10 @@ def iter_gguf_tensors(reader, path: Path, cfg: dict[str, Any]) -> Iterator[tuple
         tensor = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))
         if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
+            if tensor.ndim != 2 or tensor.shape[0] % (2 * heads):
+                raise ConfigError(
+                    f"{path}: tensor {t.name!r} has shape {shape}, which does not split into {heads} heads of "
+                    f"even size (metadata head_count{'' if 'q_proj' in name else '_kv'}={heads}); the file's "
+                    f"metadata and tensors disagree.")
             tensor = _unpermute(tensor, heads)
         yield name, tensor

@@ -23,7 +23,11 @@ def hf_config(model_dir: Path) -> dict:
     path = model_dir / "config.json"
     if not path.is_file():
         raise ConfigError(f"{model_dir} has no config.json; pass an HF model directory or a .gguf file.")
-    return read_json(path)
+    cfg = read_json(path)
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path} holds a JSON {type(cfg).__name__}, not an object of config fields; "
+                          f"re-export the checkpoint.")
+    return cfg
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -55,7 +59,8 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 for name in st.keys():
                     yield name, st.get_tensor(name)
         except (SafetensorError, OSError) as e:
-            raise ConfigError(f"cannot read safetensors file {f}: {e}") from e
+            raise ConfigError(f"cannot read safetensors file {f}: {e} (the file is corrupt or truncated; "
+                              f"re-download or re-export the checkpoint).") from e
 
 
 def count_tensors(files: list[Path]) -> int:
@@ -67,5 +72,6 @@ def count_tensors(files: list[Path]) -> int:
             with safe_open(str(f), framework="pt") as st:
                 n += len(list(st.keys()))
         except (SafetensorError, OSError) as e:
-            raise ConfigError(f"cannot read safetensors file {f}: {e}") from e
+            raise ConfigError(f"cannot read safetensors file {f}: {e} (the file is corrupt or truncated; "
+                              f"re-download or re-export the checkpoint).") from e
     return n
