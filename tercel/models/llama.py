@@ -15,7 +15,7 @@ from ..attention.torch_ref import TorchAttentionBackend
 from ..config import ConfigError, ModelConfig
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from ..kv import PagedKVCache
-from .rope import RotaryEmbedding
+from .rope import RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +25,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused kernel, bit-identical to the formula below in fp32
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 like HF, then scale in the model dtype.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -43,16 +45,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 backend: TorchAttentionBackend, batch: ForwardBatch, meta: object, kv: PagedKVCache) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        t, heads = qkv.shape[0], self.num_heads + self.num_kv_heads
+        # q and k sit side by side in qkv: rotate them with one RoPE application
+        qk = qkv[:, :self.q_size + self.kv_size].view(t, heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
+        qk = apply_rope(qk, *cos_sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         return self.o_proj(backend.forward(self.layer, q, k, v, batch, meta, kv))
 
 
@@ -113,10 +116,10 @@ class LlamaForCausalLM(nn.Module):
         meta = self.attn_backend.prepare(batch, kv.block_size)
         h = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
         mode = batch.capture_hidden_mode
+        cos_sin = self.rope.lookup(batch.positions)
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            h = h + layer.self_attn(layer.input_layernorm(h), batch.positions, self.rope, self.attn_backend,
-                                    batch, meta, kv)
+            h = h + layer.self_attn(layer.input_layernorm(h), cos_sin, self.attn_backend, batch, meta, kv)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if mode != CaptureHiddenMode.NULL and i in self.aux_layer_ids:
                 aux.append(h)
