@@ -1,0 +1,203 @@
+"""DFlash block-diffusion draft (z-lab format).
+
+A few Qwen3-style layers that predict a whole block in ONE forward: the block is
+[last verified token, mask x (block_size - 1)], attended non-causally. The target's hidden states
+from several layers are concatenated, projected (fc -> hidden_norm) and injected into every draft
+layer as extra K/V ("context"); the context is written once into the draft's paged cache, at the
+same slots the target uses for those positions, and never re-run. Embedding and lm_head are the
+target's (shared, not copied).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ConfigError, ModelConfig
+from ..kv import KVCacheSpec, PagedKVCache
+from .llama import MLP, RMSNorm
+from .rope import RotaryEmbedding, apply_rope
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """Spread between layer 1 and L - 3 (the reference's choice when the config gives none)."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    return tuple(round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers))
+
+
+@dataclass(slots=True, frozen=True)
+class DFlashConfig:
+    layers: ModelConfig  # the draft layers' shapes (Qwen3-style, q/k norms)
+    num_target_layers: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], target: ModelConfig, source: str) -> "DFlashConfig":
+        dc = d.get("dflash_config")
+        if not isinstance(dc, dict):
+            raise ConfigError(f"{source}: no 'dflash_config' object; a DFlash draft config needs "
+                              f"dflash_config {{block_size, mask_token_id, target_layer_ids}}.")
+        if "conv_kernel_size" in dc or "selector_rank" in dc:
+            raise ConfigError(f"{source}: DFlash-2 drafts (convolutions, candidate selector) are not supported; "
+                              f"use a DFlash (v1) draft.")
+        layer_types = set(d.get("layer_types") or ["full_attention"])
+        if layer_types != {"full_attention"}:
+            raise ConfigError(f"{source}: layer_types {sorted(layer_types)} not supported (only full_attention).")
+        layers = ModelConfig.from_hf_dict(dict(d, architectures=["Qwen3ForCausalLM"]), source)
+        if layers.hidden_size != target.hidden_size:
+            raise ConfigError(f"{source}: draft hidden_size={layers.hidden_size} != target hidden_size="
+                              f"{target.hidden_size}; this draft was trained for another target.")
+        n_target = int(d.get("num_target_layers", target.num_layers))
+        if n_target != target.num_layers:
+            raise ConfigError(f"{source}: num_target_layers={n_target} but the target has {target.num_layers} layers.")
+        mask = dc.get("mask_token_id")
+        if not isinstance(mask, int) or not 0 <= mask < target.vocab_size:
+            raise ConfigError(f"{source}: mask_token_id={mask!r} is outside the target vocabulary "
+                              f"[0, {target.vocab_size}).")
+        ids = tuple(int(i) for i in (dc.get("target_layer_ids") or
+                                     default_target_layer_ids(n_target, layers.num_layers)))
+        bad = [i for i in ids if not 0 <= i < target.num_layers]
+        if bad:
+            raise ConfigError(f"{source}: target_layer_ids {bad} out of range for a {target.num_layers}-layer "
+                              f"target (valid 0..{target.num_layers - 1}).")
+        block = int(dc.get("block_size", d.get("block_size", 16)))
+        if block < 2:
+            raise ConfigError(f"{source}: block_size={block} must be >= 2.")
+        return cls(layers, n_target, block, mask, ids, float(dc.get("input_embedding_scale", 1.0)),
+                   float(dc.get("output_multiplier", 1.0)))
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (normed, rotated) and V for rows x: [N, H] -> [N, Hkv, D] each."""
+        k = self.k_norm(self.k_proj(x).view(-1, self.hkv, self.d))
+        return apply_rope(k, cos, sin), self.v_proj(x).view(-1, self.hkv, self.d)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
+                ctx_v: torch.Tensor, ctx_mask: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, H] block rows; ctx_k/v: [B, C, Hkv, D] gathered context; ctx_mask: [B, C] valid."""
+        b, s, _ = x.shape
+        q = apply_rope(self.q_norm(self.q_proj(x).view(b * s, self.h, self.d)), cos, sin)
+        k, v = self.kv(x.reshape(b * s, -1), cos, sin)
+        keys = torch.cat([ctx_k, k.view(b, s, self.hkv, self.d)], dim=1).transpose(1, 2)
+        values = torch.cat([ctx_v, v.view(b, s, self.hkv, self.d)], dim=1).transpose(1, 2)
+        mask = torch.cat([ctx_mask, ctx_mask.new_ones(b, s)], dim=1)[:, None, None, :]  # non-causal block
+        out = F.scaled_dot_product_attention(q.view(b, s, self.h, self.d).transpose(1, 2), keys, values,
+                                             attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, cfg: DFlashConfig, max_positions: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = cfg
+        lc = cfg.layers
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * lc.hidden_size, lc.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(lc, i) for i in range(lc.num_layers))
+        self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
+        self.rope = RotaryEmbedding(lc, max_positions, dtype)
+
+    def kv_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        return KVCacheSpec.for_model(self.config.layers, block_size, dtype)
+
+    def inject_context(self, target_hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       cache: PagedKVCache) -> None:
+        """Project target hidden states of committed positions and write every layer's context K/V.
+        target_hidden: [N, n_aux * H_target] (the chosen target layers' outputs, concatenated)."""
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        cos, sin = self.rope.lookup(positions)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(ctx, cos, sin)
+            cache.write(i, slots, k, v)
+
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, ctx_slots: torch.Tensor,
+                ctx_mask: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
+        """block_embeds: [B, S, H] (target embeddings x input_embedding_scale); positions: [B, S];
+        ctx_slots / ctx_mask: [B, C] cache slots of each request's context and their validity.
+        Returns the normed hidden states [B, S, H]; logits come from the target's lm_head."""
+        b, s, _ = block_embeds.shape
+        cos, sin = self.rope.lookup(positions.reshape(-1))
+        h = block_embeds
+        for i, layer in enumerate(self.layers):
+            ctx_k, ctx_v = cache.k[i][ctx_slots], cache.v[i][ctx_slots]
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, ctx_k, ctx_v, ctx_mask)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        for name, t in tensors:
+            local = name
+            for piece, fused_idx in (("gate_proj", 0), ("up_proj", 1)):
+                if f".mlp.{piece}." in name:
+                    local = name.replace(f".mlp.{piece}.", ".mlp.gate_up_proj.")
+                    rows = self.config.layers.intermediate_size
+                    target = params[local].data[fused_idx * rows:(fused_idx + 1) * rows] if local in params else None
+                    break
+            else:
+                target = params[local].data if local in params else None
+            if target is None:
+                raise ConfigError(f"{source}: unexpected tensor {name!r} in a DFlash draft.")
+            if tuple(target.shape) != tuple(t.shape):
+                raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected "
+                                  f"{tuple(target.shape)}.")
+            target.copy_(t.to(target.dtype))
+            seen.add(name)
+        expected = set()
+        for p in params:
+            if ".gate_up_proj." in p:
+                expected |= {p.replace("gate_up_proj", "gate_proj"), p.replace("gate_up_proj", "up_proj")}
+            else:
+                expected.add(p)
+        missing = sorted(expected - seen)
+        if missing:
+            raise ConfigError(f"{source}: missing tensors {missing[:5]} ({len(missing)} in all).")
+
+
+def load_dflash(path: str | Path, target: ModelConfig, dtype: torch.dtype, device: torch.device,
+                max_positions: int) -> DFlashDraftModel:
+    from ..loader import hf
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"DFlash draft path {path} is not a directory with config.json + *.safetensors.")
+    cfg = DFlashConfig.from_dict(hf.hf_config(path), target, str(path / "config.json"))
+    with torch.device("meta"):
+        model = DFlashDraftModel(cfg, max_positions, dtype)
+    model = model.to(dtype).to_empty(device=device)
+    model.rope = RotaryEmbedding(cfg.layers, max_positions, dtype).to(device)
+    model.load_weights(hf.iter_safetensors(hf.safetensors_files(path)), str(path))
+    return model.eval().requires_grad_(False)
