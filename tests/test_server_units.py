@@ -1,0 +1,180 @@
+"""Fast server tests without a model: CLI wiring, speculative flag pass-through, import hygiene,
+the catch-all 500 and engine-failure paths (in-process app on a stub engine, no network)."""
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from server_harness import REPO
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    from tercel.server.cli import add_serve_arguments
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    return p.parse_args(list(argv))
+
+
+@pytest.fixture
+def keep_sigterm():
+    old = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, old)
+
+
+def test_import_tercel_does_not_import_web_stack():
+    code = ("import sys, tercel, tercel.cli, tercel.server.cli; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('fastapi', 'uvicorn', 'starlette', 'pydantic', 'prometheus_client')]; "
+            "assert not bad, bad; tercel.cli.build_parser().parse_args(['serve', '--port', '1'])")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
+
+def test_main_cli_has_serve():
+    from tercel.cli import build_parser
+    from tercel.server.cli import run_serve
+
+    args = build_parser().parse_args(["serve", "m.gguf", "--port", "1234", "--kv-cache-memory", "512MiB",
+                                      "--max-body-bytes", "1k"])
+    assert args.func is run_serve
+    assert (args.model_pos, args.port, args.kv_cache_memory, args.max_body_bytes) == ("m.gguf", 1234, 512 << 20, 1000)
+    assert args.host == "127.0.0.1" and args.api_key is None
+
+
+def test_parse_size():
+    from tercel.server.cli import parse_size
+
+    assert parse_size("1024") == 1024
+    assert parse_size("2GiB") == 2 << 30
+    assert parse_size("1.5k") == 1500
+    for bad in ("", "-1", "1 XB", "abc"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_size(bad)
+
+
+def test_speculative_flags_passed_only_when_given(monkeypatch, keep_sigterm):
+    import tercel.engine
+    from tercel.config import ConfigError
+    from tercel.server.cli import run_serve
+
+    seen: list[dict] = []
+
+    class FakeEngine:
+        def __init__(self, model, **kw):
+            seen.append(kw)
+            raise ConfigError("stop here")
+
+    monkeypatch.setattr(tercel.engine, "LLMEngine", FakeEngine)
+    assert run_serve(_serve_args()) == 2
+    assert not any(k.startswith("speculative") for k in seen[-1])
+    assert run_serve(_serve_args("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
+                                 "--speculative-draft-model-path", "/d", "--speculative-eagle-topk", "2",
+                                 "--speculative-num-draft-tokens", "4")) == 2
+    assert {k: v for k, v in seen[-1].items() if k.startswith("speculative")} == {
+        "speculative_algorithm": "EAGLE", "speculative_num_steps": 3, "speculative_draft_model_path": "/d",
+        "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 4}
+
+
+def test_speculative_flag_unsupported_by_engine_is_a_clear_error(capsys, keep_sigterm):
+    import inspect
+
+    from tercel.engine import LLMEngine
+    from tercel.server.cli import run_serve
+
+    if "speculative_algorithm" in inspect.signature(LLMEngine).parameters:
+        pytest.skip("LLMEngine supports speculative decoding now")
+    assert run_serve(_serve_args("--speculative-algorithm", "EAGLE")) == 2
+    err = capsys.readouterr().err
+    assert "--speculative-algorithm" in err and "does not support speculative decoding" in err
+    assert "Traceback" not in err
+
+
+# ---- in-process app on a stub engine -----------------------------------------------------------
+
+class _StubTokenizer:
+    def __init__(self, explode: bool = False) -> None:
+        self.explode = explode
+
+    def encode(self, text: str) -> list[int]:
+        if self.explode:
+            raise RuntimeError("secret internal detail")
+        return [ord(c) % 90 + 1 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(chr(i + 32) for i in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [chr(i + 32) for i in ids]
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return self.encode("".join(m["content"] for m in messages))
+
+
+class _StubEngine:
+    """Enough of LLMEngine for the server; step() raises when told to."""
+
+    def __init__(self, explode_tokenizer: bool = False, explode_step: bool = False) -> None:
+        from tercel.engine import EngineStats
+
+        self._stats = EngineStats(0, 0, 10, 10)
+        self.tokenizer = _StubTokenizer(explode_tokenizer)
+        self.config = SimpleNamespace(max_model_len=64)
+        self.model_config = SimpleNamespace(vocab_size=100)
+        self.requests: dict[str, object] = {}
+        self.scheduler = SimpleNamespace(running=[])
+        self.explode_step = explode_step
+        self.lock = threading.Lock()
+
+    def stats(self):
+        return self._stats
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, prompt, params, request_id):
+        self.requests[request_id] = prompt
+
+    def abort_request(self, request_id) -> bool:
+        return self.requests.pop(request_id, None) is not None
+
+    def step(self):
+        if self.explode_step:
+            raise RuntimeError("secret step failure")
+        return []
+
+
+def _client(engine):
+    from fastapi.testclient import TestClient
+
+    from tercel.server.app import ServerSettings, build_app
+
+    return TestClient(build_app(engine, ServerSettings(served_model_name="stub")), raise_server_exceptions=False)
+
+
+def test_unexpected_error_is_a_generic_500():
+    with _client(_StubEngine(explode_tokenizer=True)) as c:
+        r = c.post("/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 500
+        assert r.json() == {"error": {"message": "Internal server error.", "type": "server_error", "param": None,
+                                      "code": "internal_error"}}
+        assert "secret" not in r.text
+        assert c.get("/health").status_code == 200
+
+
+def test_engine_step_failure_fails_the_request_not_the_server():
+    with _client(_StubEngine(explode_step=True)) as c:
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+        assert "secret" not in r.text
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
+        assert r.status_code == 200
+        assert '"engine_error"' in r.text and r.text.rstrip().endswith("data: [DONE]")
+        assert c.get("/health").status_code == 200
+        assert c.post("/v1/completions", json={"prompt": "hi", "model": "other"}).status_code == 400
