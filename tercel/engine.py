@@ -59,7 +59,9 @@ class LLMEngine:
                  kv_cache_memory: int | None = None, num_kv_blocks: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, gpu_memory_utilization: float = 0.85,
                  seed: int = 0, progress: bool = True, skip_tokenizer_init: bool = False,
-                 loaded: LoadedModel | None = None) -> None:
+                 loaded: LoadedModel | None = None, speculative_algorithm: str | None = None,
+                 speculative_draft_model_path: str | Path | None = None, speculative_num_steps: int | None = None,
+                 speculative_eagle_topk: int | None = None, speculative_num_draft_tokens: int | None = None) -> None:
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.device)
         self.rng = torch.Generator().manual_seed(seed)
@@ -90,6 +92,12 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._lock = threading.RLock()  # add/abort may come from another thread (the server)
+        # Speculative decoding (tercel.spec): None keeps the plain decode path.
+        from .spec import build_spec_worker
+
+        self.spec = build_spec_worker(
+            self, speculative_algorithm, speculative_draft_model_path, speculative_num_steps,
+            speculative_eagle_topk, speculative_num_draft_tokens, default_model=model is None and loaded is None)
 
     def _num_blocks(self, spec: KVCacheSpec) -> int:
         if self.config.num_kv_blocks is not None:
@@ -156,6 +164,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def spec_stats(self):
+        """Engine-wide speculative decoding counters (tercel.spec.worker.SpecStats), or None when off."""
+        return None if self.spec is None else self.spec.stats
+
     def stats(self) -> EngineStats:
         a = self.kv.allocator
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), a.num_usable, a.num_free)
@@ -164,9 +176,11 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         with self._lock:
-            sched = self.scheduler.schedule()
+            sched = self.scheduler.schedule(self.spec.extra_slots if self.spec is not None else 0)
             if not sched.scheduled:
                 return []
+            if self.spec is not None:
+                return self.spec.step(sched.scheduled)
             batch, sampled = self._build_batch(sched.scheduled)
             out = self.model(batch, self.kv)
             for s in sched.scheduled:
@@ -209,6 +223,11 @@ class LLMEngine:
         return batch, sampled
 
     def _postprocess(self, req: Request, token: int, logprob: dict[int, float] | None) -> RequestOutput:
+        self._append_token(req, token, logprob)
+        return self._make_output(req)
+
+    def _append_token(self, req: Request, token: int, logprob: dict[int, float] | None) -> None:
+        """Append one generated token, check the stop conditions; a finished request is freed."""
         now = time.perf_counter()
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
@@ -221,7 +240,6 @@ class LLMEngine:
             req.metrics.finished_time = now
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
-        return self._make_output(req)
 
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params

@@ -12,6 +12,32 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    # Speculative decoding (zero when it is off): verify steps, draft tokens proposed and accepted,
+    # and a histogram of accepted drafts per verify (index k: k drafts accepted, so k + 1 tokens).
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accept_histogram: list[int] = field(default_factory=list)
+
+    @property
+    def mean_accept_length(self) -> float | None:
+        """Tokens per verify step: accepted drafts + the bonus token (1.0 = no speed-up)."""
+        return None if not self.spec_verify_steps else (self.spec_accepted_tokens + self.spec_verify_steps) / \
+            self.spec_verify_steps
+
+    @property
+    def accept_rate(self) -> float | None:
+        """Accepted / proposed draft tokens."""
+        return None if not self.spec_draft_tokens else self.spec_accepted_tokens / self.spec_draft_tokens
+
+    def record_verify(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_verify_steps += 1
+        self.spec_draft_tokens += num_drafts
+        self.spec_accepted_tokens += num_accepted
+        h = self.spec_accept_histogram
+        if len(h) <= num_accepted:
+            h.extend([0] * (num_accepted + 1 - len(h)))
+        h[num_accepted] += 1
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -36,6 +36,7 @@ class Request:
     sent_text_len: int = 0  # streaming: text already handed out
     sent_token_len: int = 0
     eos_token_ids: frozenset[int] = frozenset()  # empty when ignore_eos
+    spec_state: object | None = None  # the drafter's per-request state (tercel.spec), if any
 
     @property
     def stop_ids_for_min_tokens(self) -> frozenset[int]:

@@ -1,0 +1,95 @@
+"""Draft trees: the candidates one request sends to verify, and EAGLE-2 re-ranking.
+
+Node 0 is the root: the request's last sampled token, whose KV is not yet in the cache. Every
+other node is a draft token; parents come before children (topological order), so a verify batch
+can place node j at KV slot `root_pos + j` while its RoPE position is `root_pos + depth[j]`.
+A chain is the tree where parents[j] = j - 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class DraftTree:
+    tokens: list[int]  # [n] target-vocabulary ids; tokens[0] is the root
+    parents: list[int]  # [n] parents[0] == -1, parents[j] < j
+    # Per node, the distribution (over the target vocabulary) that node was SAMPLED from, for
+    # rejection sampling; None means the node was chosen deterministically (q is one-hot).
+    q: list[torch.Tensor | None] | None = None
+    depth: list[int] = field(init=False)
+    children: list[list[int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        if len(self.parents) != n or self.parents[0] != -1:
+            raise ValueError("a draft tree needs one parent per node and parents[0] == -1")
+        self.depth = [0] * n
+        self.children = [[] for _ in range(n)]
+        for j in range(1, n):
+            p = self.parents[j]
+            if not 0 <= p < j:
+                raise ValueError(f"node {j} has parent {p}: parents must come before children")
+            self.depth[j] = self.depth[p] + 1
+            self.children[p].append(j)
+
+    @classmethod
+    def chain(cls, root: int, drafts: list[int], q: list[torch.Tensor | None] | None = None) -> "DraftTree":
+        return cls([root, *drafts], list(range(-1, len(drafts))), None if q is None else [None, *q])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == j - 1 for j, p in enumerate(self.parents))
+
+    def q_of(self, node: int) -> torch.Tensor | None:
+        return None if self.q is None else self.q[node]
+
+    def truncated(self, n: int) -> "DraftTree":
+        """The first n nodes (still a tree: parents come first)."""
+        if n >= len(self):
+            return self
+        return DraftTree(self.tokens[:n], self.parents[:n], None if self.q is None else self.q[:n])
+
+    def attention_mask(self) -> torch.Tensor:
+        """[n, n] bool: node i sees node j iff j is i or an ancestor of i (the tree attention mask)."""
+        n = len(self)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                mask[i, j] = True
+                j = self.parents[j]
+        return mask
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root to `node`, both included (the retrieve indices of that path)."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+
+def select_tree_nodes(scores: torch.Tensor, parents: torch.Tensor, num_nodes: int) -> tuple[list[int], list[int]]:
+    """EAGLE-2 re-ranking: keep the `num_nodes` candidates with the highest cumulative probability.
+
+    scores: [C] cumulative draft probability of every candidate; parents: [C] the candidate index of
+    each candidate's parent (-1: the root), parents before children. A child's score is its parent's
+    times a probability <= 1, so a stable descending sort ranks every parent before its children and
+    the kept set is closed under taking parents. Returns (kept candidate indices in ascending order,
+    their parents as positions in that kept list + 1, i.e. tree node ids with 0 = root).
+    """
+    order = torch.sort(scores, descending=True, stable=True).indices[:num_nodes]
+    kept = sorted(order.tolist())
+    node_of = {c: i + 1 for i, c in enumerate(kept)}
+    par = parents.tolist()
+    tree_parents = []
+    for c in kept:
+        p = par[c]
+        tree_parents.append(0 if p < 0 else node_of[p])  # KeyError here would mean a broken score order
+    return kept, tree_parents

@@ -1,0 +1,108 @@
+"""Acceptance rules for verify: which draft tokens the target keeps, and the token after them.
+
+Greedy: follow the tree while a child carries the target's argmax; the argmax where it stops is the
+bonus token. Sampling (T > 0): recursive rejection sampling, exactly lossless. At a node with target
+distribution p, the children are tried in order; child token x drawn from proposal q is accepted with
+probability min(1, p(x) / q(x)); on rejection p becomes normalize(max(p - q, 0)) and the next child is
+tried; when no child is left the bonus token is drawn from the current p. A deterministic draft
+(n-gram, EAGLE top-k tree) has q = one-hot, so acceptance is p(x) and the residual is p with x removed.
+
+p is always the distribution the plain sampler would use at that point (tercel.sampling): the same
+penalties, min_tokens mask, temperature / top-k / top-p / min-p and the request's own generator.
+Penalties and min_tokens depend on the tokens generated so far, so along a path they are evaluated
+with the accepted tokens appended.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from ..request import Request
+from ..sampling import filter_logits, processed_logits, sample_from_probs
+from .tree import DraftTree
+
+
+@dataclass(slots=True)
+class Accepted:
+    nodes: list[int]  # accepted non-root node ids, root to leaf
+    bonus: int  # the target's token after the last accepted node
+
+
+def context_free(req: Request) -> bool:
+    """True when the next-token distribution does not depend on the generated tokens so far."""
+    p = req.params
+    return not p.has_penalties and not p.min_tokens
+
+
+@contextmanager
+def _with_generated(req: Request, tokens: list[int]):
+    """Temporarily append accepted draft tokens to the request's output (for penalties/min_tokens)."""
+    n = len(req.output_token_ids)
+    req.output_token_ids.extend(tokens)
+    try:
+        yield
+    finally:
+        del req.output_token_ids[n:]
+
+
+def _path_tokens(tree: DraftTree, nodes: list[int]) -> list[int]:
+    return [tree.tokens[j] for j in nodes]
+
+
+def accept_greedy(tree: DraftTree, logits: torch.Tensor, req: Request, argmax: list[int] | None = None) -> Accepted:
+    """logits: [n, V] rows of the verify forward for this tree; argmax: their precomputed argmax
+    (valid when context_free(req))."""
+    nodes: list[int] = []
+    cur = 0
+    while True:
+        if argmax is not None:
+            best = argmax[cur]
+        else:
+            with _with_generated(req, _path_tokens(tree, nodes)):
+                best = int(processed_logits(logits[cur], req).argmax())
+        nxt = next((c for c in tree.children[cur] if tree.tokens[c] == best), None)
+        if nxt is None:
+            return Accepted(nodes, best)
+        nodes.append(nxt)
+        cur = nxt
+
+
+def accept_sampling(tree: DraftTree, logits: torch.Tensor, req: Request) -> Accepted:
+    params, gen = req.params, req.generator
+    all_probs = None
+    if context_free(req):  # one batched filter for every node of the tree
+        all_probs = filter_logits(logits, params).softmax(-1).float().cpu()
+    nodes: list[int] = []
+    cur = 0
+    while True:
+        if all_probs is not None:
+            p0 = all_probs[cur]
+        else:
+            with _with_generated(req, _path_tokens(tree, nodes)):
+                p0 = filter_logits(processed_logits(logits[cur], req), params).softmax(-1).float().cpu()
+        p = p0.clone()
+        accepted = None
+        for child in tree.children[cur]:
+            x = tree.tokens[child]
+            q = tree.q_of(child)
+            px = float(p[x])
+            qx = 1.0 if q is None else float(q[x])
+            u = float(torch.rand((), generator=gen))
+            if qx > 0 and u * qx < px:  # u < p(x) / q(x)
+                accepted = child
+                break
+            if q is None:
+                p[x] = 0.0
+            else:
+                p = (p - q.to(p)).clamp_min_(0.0)
+            total = float(p.sum())
+            if total <= 0.0:  # only when p == q up to rounding, where rejection had probability ~0
+                p = p0.clone()
+            else:
+                p /= total
+        if accepted is None:
+            return Accepted(nodes, sample_from_probs(p, gen))
+        nodes.append(accepted)
+        cur = accepted

@@ -1,0 +1,210 @@
+"""The speculative step, shared by every drafter: draft -> verify -> accept -> draft_extend.
+
+LLMEngine.step calls SpecWorker.step with the scheduled requests when speculation is on. Requests
+that are decoding and whose drafter is ready take the spec step; the rest (prefill chunks, requests
+recomputing after preemption) take the normal path, with the hidden states the drafter needs
+captured (capture_hidden_mode) so it can extend its own state over those tokens.
+
+KV bookkeeping for one request whose root (last sampled token) sits at position `base`:
+  verify writes node j of its tree at slot position base + j (RoPE position base + depth[j]);
+  accept keeps the root and k drafts: their KV is compacted to base .. base + k (a chain needs no
+  copy), num_computed_tokens becomes base + 1 + k, blocks past the live tokens are freed, and the
+  drafter's draft_extend runs over the same k + 1 positions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..forward_batch import CaptureHiddenMode, ForwardBatch
+from ..outputs import RequestOutput
+from ..request import Request
+from ..scheduler import ScheduledRequest
+from ..sampling import Sampler
+from .drafter import Drafter, ExtendedChunk
+from .tree import DraftTree
+from .verify import Accepted, accept_greedy, accept_sampling, context_free
+
+if TYPE_CHECKING:
+    from ..engine import LLMEngine
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Engine-wide speculative decoding counters (all requests since the engine started)."""
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accept_histogram: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.verify_steps += 1
+        self.draft_tokens += num_drafts
+        self.accepted_tokens += num_accepted
+        if len(self.accept_histogram) <= num_accepted:
+            self.accept_histogram.extend([0] * (num_accepted + 1 - len(self.accept_histogram)))
+        self.accept_histogram[num_accepted] += 1
+
+    @property
+    def mean_accept_length(self) -> float | None:
+        return None if not self.verify_steps else (self.accepted_tokens + self.verify_steps) / self.verify_steps
+
+    @property
+    def accept_rate(self) -> float | None:
+        return None if not self.draft_tokens else self.accepted_tokens / self.draft_tokens
+
+
+class SpecWorker:
+    def __init__(self, engine: "LLMEngine", drafter: Drafter, num_draft_tokens: int) -> None:
+        self.engine = engine
+        self.drafter = drafter
+        self.num_draft_tokens = num_draft_tokens  # nodes per tree, root included
+        self.stats = SpecStats()
+
+    @property
+    def extra_slots(self) -> int:
+        """KV slots the scheduler reserves per request beyond its next token (the verify width)."""
+        return self.num_draft_tokens - 1
+
+    def _sync_target(self) -> None:
+        # The drafter reads fixed target layers; set them before any forward (a loaded target can be
+        # shared by several engines, e.g. in tests, each with its own drafter).
+        model = self.engine.model
+        if model.aux_layer_ids != self.drafter.aux_layer_ids:
+            model.set_aux_layers(self.drafter.aux_layer_ids)
+
+    def step(self, scheduled: list[ScheduledRequest]) -> list[RequestOutput]:
+        self._sync_target()
+        decoding, rest = [], []
+        for s in scheduled:
+            r = s.request
+            if s.num_tokens == 1 and r.num_computed_tokens == r.num_tokens - 1 and self.drafter.ready(r):
+                decoding.append(r)
+            else:
+                rest.append(s)
+        outputs = self._normal_path(rest) if rest else []
+        if decoding:
+            outputs += self._spec_step(decoding)
+        return outputs
+
+    # ---- prefill chunks and undrafted decodes --------------------------------------------
+    def _normal_path(self, scheduled: list[ScheduledRequest]) -> list[RequestOutput]:
+        eng = self.engine
+        batch, sampled = eng._build_batch(scheduled)
+        batch.capture_hidden_mode = self.drafter.capture_hidden_mode
+        out = eng.model(batch, eng.kv)
+        chunks, offset = [], 0
+        for s in scheduled:
+            r = s.request
+            chunks.append(ExtendedChunk(r, r.num_computed_tokens, r.num_computed_tokens + s.num_tokens, offset))
+            offset += s.num_tokens
+            r.num_computed_tokens += s.num_tokens
+        reqs = [s.request for s in sampled]
+        tokens, logprobs = eng.sampler.sample(out.logits, reqs)
+        outputs = [eng._postprocess(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs)]
+        alive = [c for c in chunks if c.request.finish_reason is None]
+        if alive:
+            self.drafter.after_extend(alive, out.hidden_states)
+        return outputs
+
+    # ---- the spec step -------------------------------------------------------------------
+    def _spec_step(self, reqs: list[Request]) -> list[RequestOutput]:
+        eng = self.engine
+        # 1. draft (trimmed so no position passes max_model_len and no draft passes max_tokens)
+        trees = []
+        for r, t in zip(reqs, self.drafter.propose(reqs)):
+            room = min(eng.config.max_model_len - r.num_computed_tokens,
+                       r.params.max_tokens - len(r.output_token_ids))
+            trees.append(t.truncated(max(1, room)))
+        # 2. verify: every node of every tree in one target forward
+        batch, offsets = self._verify_batch(reqs, trees)
+        out = eng.model(batch, eng.kv)
+        # 3. accept
+        logits = out.logits
+        argmax = logits.argmax(-1).tolist() if any(r.params.greedy and context_free(r) for r in reqs) else None
+        accepted: list[Accepted] = []
+        for r, t, off in zip(reqs, trees, offsets):
+            rows = logits[off:off + len(t)]
+            if r.params.greedy:
+                acc = accept_greedy(t, rows, r, argmax[off:off + len(t)] if context_free(r) else None)
+            else:
+                acc = accept_sampling(t, rows, r)
+            accepted.append(acc)
+        # 4. emit tokens (stop checks per token), keep the accepted KV, free the rest
+        outputs: list[RequestOutput] = []
+        moves: list[tuple[int, int]] = []
+        alive: list[int] = []
+        for i, (r, t, acc, off) in enumerate(zip(reqs, trees, accepted, offsets)):
+            k = len(acc.nodes)
+            r.metrics.record_verify(len(t) - 1, k)
+            self.stats.record(len(t) - 1, k)
+            emit = [t.tokens[j] for j in acc.nodes] + [acc.bonus]
+            rows = [0] + acc.nodes  # row whose logits produced each emitted token
+            for tok, row in zip(emit, rows):
+                lp = (Sampler._logprobs(logits[off + row], tok, r.params.logprobs)
+                      if r.params.logprobs is not None else None)
+                eng._append_token(r, tok, lp)
+                if r.finish_reason is not None:
+                    break
+            if r.finish_reason is None:
+                base = r.num_computed_tokens
+                moves += [(self._slot(r, base + j), self._slot(r, base + i_))
+                          for i_, j in enumerate(acc.nodes, start=1) if j != i_]
+                r.num_computed_tokens = base + 1 + k
+                self._free_unused_blocks(r)
+                alive.append(i)
+            outputs.append(eng._make_output(r))
+        if moves:
+            src = torch.tensor([m[0] for m in moves], device=eng.device)
+            dst = torch.tensor([m[1] for m in moves], device=eng.device)
+            eng.kv.k[:, dst] = eng.kv.k[:, src]
+            eng.kv.v[:, dst] = eng.kv.v[:, src]
+        # 5. draft_extend over the accepted tokens of the requests that go on
+        if alive:
+            self.drafter.after_verify([reqs[i] for i in alive], [trees[i] for i in alive],
+                                      [accepted[i] for i in alive], [offsets[i] for i in alive], out.hidden_states)
+        return outputs
+
+    def _slot(self, r: Request, pos: int) -> int:
+        bs = self.engine.kv.block_size
+        return r.block_table[pos // bs] * bs + pos % bs
+
+    def _free_unused_blocks(self, r: Request) -> None:
+        need = -(-r.num_tokens // self.engine.kv.block_size)
+        if len(r.block_table) > need:
+            self.engine.kv.allocator.free(r.block_table[need:])
+            del r.block_table[need:]
+
+    def _verify_batch(self, reqs: list[Request], trees: list[DraftTree]) -> tuple[ForwardBatch, list[int]]:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        offsets: list[int] = []
+        masks: list[torch.Tensor | None] = []
+        for r, t in zip(reqs, trees):
+            base = r.num_computed_tokens
+            offsets.append(len(ids))
+            ids += t.tokens
+            positions += [base + d for d in t.depth]
+            slots += [self._slot(r, base + j) for j in range(len(t))]
+            seq_lens.append(base + len(t))
+            masks.append(None if t.is_chain else t.attention_mask())
+        width = max(len(r.block_table) for r in reqs)
+        tables = [r.block_table + [0] * (width - len(r.block_table)) for r in reqs]
+        dev = self.engine.device
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            out_cache_loc=torch.tensor(slots, dtype=torch.long, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            logits_indices=torch.arange(len(ids), device=dev),
+            query_lens=[len(t) for t in trees],
+            seq_lens_cpu=seq_lens,
+            custom_masks=masks if any(m is not None for m in masks) else None,
+            capture_hidden_mode=self.drafter.capture_hidden_mode,
+        )
+        return batch, offsets
