@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import openai
 import pytest
 
 from server_harness import ServerProcess, http_client, offline, offline_llm
@@ -45,6 +46,10 @@ def test_models_and_health(server, client, model_id):
     models = client.models.list().data
     assert [m.id for m in models] == [model_id]
     assert model_id == "SmolLM2-135M-Instruct.Q4_1.gguf"  # the model file name
+    assert client.models.retrieve(model_id).id == model_id
+    assert client.models.retrieve("default").id == model_id
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
     assert server.health_ok()
 
 
@@ -250,7 +255,7 @@ def test_chat_logprobs_and_stream(client, model_id):
 
 
 def test_unknown_fields_and_user_are_accepted(server, model_id):
-    """Policy: unknown fields are ignored (logged at debug); `user` is accepted and unused."""
+    """Policy: unknown fields are ignored; `user` is accepted and unused."""
     with http_client(timeout=60) as c:
         r = c.post(server.base_url + "/v1/completions",
                    json={"model": model_id, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "user": "u-1",

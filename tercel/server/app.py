@@ -608,10 +608,18 @@ class OpenAIServer:
             group.abort()
 
     # ---- small endpoints ------------------------------------------------------------------------
-    async def models(self, request: Request) -> Response:
-        card = ModelCard(id=self.settings.served_model_name, created=self.created, root=self.settings.model_path,
+    def _card(self) -> ModelCard:
+        return ModelCard(id=self.settings.served_model_name, created=self.created, root=self.settings.model_path,
                          max_model_len=self.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(ModelList(data=[self._card()]).model_dump())
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model_id"]
+        if name not in self.settings.model_names:
+            raise APIError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
+        return JSONResponse(self._card().model_dump())
 
     async def health(self, request: Request) -> Response:
         if self.aengine.healthy and not self.aengine.draining:
@@ -687,7 +695,7 @@ class _AuthAndMetricsMiddleware:
                     return
             await self.app(scope, receive, send_wrapper)
         finally:
-            endpoint = path if path in ENDPOINTS else "other"
+            endpoint = path if path in ENDPOINTS else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
             self.server.metrics.requests.labels(endpoint, str(status)).inc()
 
 
@@ -708,6 +716,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     app.add_api_route("/v1/completions", _guard(server.completions), methods=["POST"])
     app.add_api_route("/v1/chat/completions", _guard(server.chat_completions), methods=["POST"])
     app.add_api_route("/v1/models", _guard(server.models), methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", _guard(server.model), methods=["GET"])
     app.add_api_route("/health", _guard(server.health), methods=["GET"])
     app.add_api_route("/metrics", _guard(server.metrics_endpoint), methods=["GET"])
 

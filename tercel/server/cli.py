@@ -199,6 +199,8 @@ def run_serve(args: argparse.Namespace) -> int:
         _Server(config).run()
     except SystemExit as e:  # uvicorn exits 1 when it cannot bind; our SIGTERM handler exits 0
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down gracefully, then re-raised SIGINT
+        return 130
     return 0
 
 
