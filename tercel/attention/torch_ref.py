@@ -73,6 +73,8 @@ class TorchAttentionBackend:
         """q: [T, H, D]; k, v: [T, Hkv, D] for this step's tokens. Returns [T, H * D]."""
         kv.write(layer, batch.out_cache_loc, k, v)
         k_cache, v_cache = kv.k[layer], kv.v[layer]
+        if meta.decode and q.shape[0] == 1 and meta.mask.all():
+            return self._single_decode(q, k_cache[meta.slots[0]], v_cache[meta.slots[0]])
         if meta.decode:
             keys = k_cache[meta.slots].transpose(1, 2)  # [B, Hkv, S, D]
             values = v_cache[meta.slots].transpose(1, 2)
@@ -88,3 +90,12 @@ class TorchAttentionBackend:
             oi = F.scaled_dot_product_attention(qi, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[offset:offset + q_len] = oi[0].transpose(0, 1)
         return out.reshape(q.shape[0], -1)
+
+    def _single_decode(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """One request, one query: two bmm calls with the query heads grouped per KV head (fewer,
+        cheaper ops than SDPA's general path; this is the CPU latency case)."""
+        group = self.num_heads // self.num_kv_heads
+        qg = q.view(self.num_kv_heads, group, self.head_dim)
+        scores = torch.bmm(qg, keys.permute(1, 2, 0)).mul_(self.scale)  # [Hkv, G, S]
+        out = torch.bmm(scores.softmax(-1), values.transpose(0, 1))  # [Hkv, G, D]
+        return out.reshape(1, -1)
