@@ -61,7 +61,8 @@ class LLMEngine:
                  seed: int = 0, progress: bool = True, skip_tokenizer_init: bool = False,
                  loaded: LoadedModel | None = None, speculative_algorithm: str | None = None,
                  speculative_draft_model_path: str | Path | None = None, speculative_num_steps: int | None = None,
-                 speculative_eagle_topk: int | None = None, speculative_num_draft_tokens: int | None = None) -> None:
+                 speculative_eagle_topk: int | None = None, speculative_num_draft_tokens: int | None = None,
+                 speculative_ddtree_budget: int | None = None) -> None:
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.device)
         self.rng = torch.Generator().manual_seed(seed)
@@ -97,7 +98,8 @@ class LLMEngine:
 
         self.spec = build_spec_worker(
             self, speculative_algorithm, speculative_draft_model_path, speculative_num_steps,
-            speculative_eagle_topk, speculative_num_draft_tokens, default_model=model is None and loaded is None)
+            speculative_eagle_topk, speculative_num_draft_tokens, default_model=model is None and loaded is None,
+            ddtree_budget=speculative_ddtree_budget)
 
     def _num_blocks(self, spec: KVCacheSpec) -> int:
         if self.config.num_kv_blocks is not None:

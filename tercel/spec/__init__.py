@@ -6,7 +6,11 @@ the one spec step they share (worker.py). SGLang's argument names and semantics:
                                bundled SmolLM2 head, tercel/drafts/smollm2-eagle3)
   speculative_num_steps        draft depth (default 5)
   speculative_eagle_topk       branches per step (default 1: a chain)
-  speculative_num_draft_tokens tree nodes verified per step, root included (chain: num_steps + 1)
+  speculative_num_draft_tokens tree nodes verified per step, root included (chain: num_steps + 1);
+                               DFLASH / DDTREE: the block size (default: the checkpoint's)
+  speculative_ddtree_budget    DDTREE: draft nodes in the tree (2..64; default 16)
+
+DFLASH | DDTREE take a DFlash draft directory (z-lab format) as speculative_draft_model_path.
 """
 from __future__ import annotations
 
@@ -23,10 +27,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3")
+ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "DFLASH", "DDTREE")
 DEFAULT_DRAFTS_DIR = Path(__file__).resolve().parent.parent / "drafts"
 DEFAULT_EAGLE3_DRAFT = DEFAULT_DRAFTS_DIR / "smollm2-eagle3"
+DEFAULT_DFLASH_DRAFT = DEFAULT_DRAFTS_DIR / "smollm2-dflash"
 DEFAULT_NUM_STEPS = 5
+DEFAULT_DDTREE_BUDGET = 16
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,10 +42,12 @@ class SpecConfig:
     num_steps: int
     topk: int
     num_draft_tokens: int
+    ddtree_budget: int | None = None  # DDTREE only
 
     @classmethod
     def resolve(cls, algorithm: str | None, draft_path: str | Path | None, num_steps: int | None,
-                topk: int | None, num_draft_tokens: int | None, default_model: bool) -> "SpecConfig | None":
+                topk: int | None, num_draft_tokens: int | None, default_model: bool,
+                ddtree_budget: int | None = None) -> "SpecConfig | None":
         if algorithm is None or str(algorithm).upper() in ("", "NONE"):
             return None
         algo = str(algorithm).upper()
@@ -56,6 +64,21 @@ class SpecConfig:
             n = num_draft_tokens or steps + 1
             return cls(algo, None, steps, 1, n)
         path = Path(draft_path).expanduser() if draft_path is not None else None
+        if algo in ("DFLASH", "DDTREE"):
+            if path is None and default_model:
+                path = DEFAULT_DFLASH_DRAFT
+            if path is None:
+                raise ConfigError(f"speculative_algorithm={algo} needs speculative_draft_model_path (a DFlash draft "
+                                  f"directory); only the default model has a bundled one.")
+            if num_draft_tokens is not None and num_draft_tokens < 2:
+                raise ConfigError(f"speculative_num_draft_tokens={num_draft_tokens} (the DFlash block size) must be >= 2.")
+            budget = None
+            if algo == "DDTREE":
+                budget = DEFAULT_DDTREE_BUDGET if ddtree_budget is None else ddtree_budget
+                if not isinstance(budget, int) or not 2 <= budget <= 64:
+                    raise ConfigError(f"speculative_ddtree_budget={ddtree_budget!r} must be an integer in 2..64.")
+            # 0: the block size comes from the checkpoint at load time
+            return cls(algo, path, steps, 1, num_draft_tokens or 0, budget)
         if path is None:
             if algo == "EAGLE3" and default_model:
                 path = DEFAULT_EAGLE3_DRAFT
@@ -79,10 +102,16 @@ class SpecConfig:
 
 def build_spec_worker(engine: "LLMEngine", algorithm: str | None, draft_path: str | Path | None,
                       num_steps: int | None, topk: int | None, num_draft_tokens: int | None,
-                      default_model: bool = False) -> SpecWorker | None:
-    cfg = SpecConfig.resolve(algorithm, draft_path, num_steps, topk, num_draft_tokens, default_model)
+                      default_model: bool = False, ddtree_budget: int | None = None) -> SpecWorker | None:
+    cfg = SpecConfig.resolve(algorithm, draft_path, num_steps, topk, num_draft_tokens, default_model, ddtree_budget)
     if cfg is None:
         return None
+    if cfg.algorithm in ("DFLASH", "DDTREE"):
+        from .dflash import DFlashDrafter
+
+        dflash = DFlashDrafter.load(engine, cfg.draft_model_path, cfg.num_draft_tokens or None, cfg.ddtree_budget)
+        engine.spec_config = cfg
+        return SpecWorker(engine, dflash, dflash.num_draft_tokens)
     if cfg.algorithm == "NGRAM":
         from .ngram import NgramDrafter
 

@@ -1,0 +1,172 @@
+"""DFlash drafting: one draft forward per block, verified as a chain (DFLASH) or as a tree built
+from the block's per-position top-k under a node budget (DDTREE).
+
+State per request (Request.spec_state): how many leading positions have their target context
+injected into the draft cache. The draft cache shares the target pool's slot layout (same block
+tables), so context K/V of position p lives at the same slot as the target's K/V of p.
+
+Sampling (T > 0), DFLASH: drafts are sampled from the draft's own filtered distribution q (the
+request's temperature / top-k / top-p / min-p) and verified by full rejection sampling with that q
+(the reference's rule). DDTREE: the tree's tokens are the draft's top-k per position, a deterministic
+choice, so verify treats each as q = one-hot (recursive rejection over siblings); both are lossless.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..forward_batch import CaptureHiddenMode
+from ..kv import PagedKVCache
+from ..models.dflash import DFlashDraftModel, load_dflash
+from ..request import Request
+from ..sampling import filter_logits, sample_from_probs
+from .drafter import Drafter, ExtendedChunk
+from .tree import DraftTree
+from .verify import Accepted
+
+if TYPE_CHECKING:
+    from ..engine import LLMEngine
+
+
+@dataclass(slots=True)
+class DFlashState:
+    context_len: int = 0  # positions [0, context_len) are injected
+
+
+def build_ddtree(logprobs: torch.Tensor, tokens: torch.Tensor, root: int, budget: int) -> DraftTree:
+    """Best-first tree over per-position candidates. logprobs/tokens: [S, k] (position d+1 of the block
+    -> candidates sorted by draft log-probability). A node at depth d has the k candidates of
+    position d + 1 as children; nodes are taken in order of cumulative log-probability until `budget`
+    draft nodes are chosen. Parents are always taken before children (a child's score is lower)."""
+    lp, tk = logprobs.tolist(), tokens.tolist()
+    depth_max, k = len(lp), len(lp[0]) if lp else 0
+    node_tokens, parents = [root], [-1]
+    heap: list[tuple[float, int, int, int]] = []  # (-score, tiebreak, parent node, candidate index at depth)
+    counter = 0
+
+    def push_children(node: int, depth: int, score: float) -> None:
+        nonlocal counter
+        if depth < depth_max:
+            for c in range(k):
+                heapq.heappush(heap, (-(score + lp[depth][c]), counter, node, depth * k + c))
+                counter += 1
+
+    node_depth_score = {0: (0, 0.0)}
+    push_children(0, 0, 0.0)
+    while heap and len(node_tokens) - 1 < budget:
+        neg, _, parent, flat = heapq.heappop(heap)
+        depth, c = divmod(flat, k)
+        node = len(node_tokens)
+        node_tokens.append(tk[depth][c])
+        parents.append(parent)
+        node_depth_score[node] = (depth + 1, -neg)
+        push_children(node, depth + 1, -neg)
+    return DraftTree(node_tokens, parents)
+
+
+class DFlashDrafter(Drafter):
+    capture_hidden_mode = CaptureHiddenMode.FULL
+
+    def __init__(self, engine: "LLMEngine", draft: DFlashDraftModel, block_size: int,
+                 tree_budget: int | None, tree_topk: int = 4) -> None:
+        self.engine = engine
+        self.draft = draft
+        self.block_size = block_size
+        self.tree_budget = tree_budget  # None: chain (DFLASH)
+        self.tree_topk = tree_topk
+        self.aux_layer_ids = draft.config.target_layer_ids
+        self.mask_token_id = draft.config.mask_token_id
+        # the draft's context cache mirrors the target pool slot for slot
+        self.cache = PagedKVCache(draft.kv_spec(engine.kv.block_size, engine.dtype), engine.kv.num_blocks,
+                                  engine.device)
+
+    @classmethod
+    def load(cls, engine: "LLMEngine", path, block_size: int | None, tree_budget: int | None) -> "DFlashDrafter":
+        draft = load_dflash(path, engine.model_config, engine.dtype, engine.device, engine.config.max_model_len
+                            + (block_size or 64))
+        size = block_size or draft.config.block_size
+        return cls(engine, draft, size, tree_budget)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Nodes verified per step, root included."""
+        return self.block_size if self.tree_budget is None else self.tree_budget + 1
+
+    # ---- draft state ---------------------------------------------------------------------
+    @staticmethod
+    def _state(r: Request) -> DFlashState:
+        if not isinstance(r.spec_state, DFlashState):
+            r.spec_state = DFlashState()
+        return r.spec_state
+
+    def ready(self, req: Request) -> bool:
+        return self._state(req).context_len == req.num_computed_tokens
+
+    def _slots(self, r: Request, positions: range) -> list[int]:
+        bs = self.engine.kv.block_size
+        return [r.block_table[p // bs] * bs + p % bs for p in positions]
+
+    def _inject(self, rows: list[int], reqs_positions: list[tuple[Request, range]], hidden: torch.Tensor) -> None:
+        positions = [p for _, rng in reqs_positions for p in rng]
+        slots = [s for r, rng in reqs_positions for s in self._slots(r, rng)]
+        dev = self.engine.device
+        self.draft.inject_context(hidden[torch.tensor(rows, device=dev)],
+                                  torch.tensor(positions, device=dev), torch.tensor(slots, device=dev), self.cache)
+        for r, rng in reqs_positions:
+            self._state(r).context_len = rng.stop
+
+    def after_extend(self, chunks: list[ExtendedChunk], hidden: torch.Tensor | None) -> None:
+        assert hidden is not None, "DFlash needs the target's FULL hidden states"
+        rows, spans = [], []
+        for c in chunks:
+            st = self._state(c.request)
+            if st.context_len != c.start:  # preempted and recomputing: start over from this chunk
+                st.context_len = c.start
+            rows += range(c.row_offset, c.row_offset + c.end - c.start)
+            spans.append((c.request, range(c.start, c.end)))
+        self._inject(rows, spans, hidden)
+
+    def after_verify(self, reqs: list[Request], trees: list[DraftTree], accepted: list[Accepted],
+                     row_offsets: list[int], hidden: torch.Tensor | None) -> None:
+        assert hidden is not None, "DFlash needs the target's FULL hidden states"
+        rows, spans = [], []
+        for r, acc, off in zip(reqs, accepted, row_offsets):
+            nodes = [0, *acc.nodes]  # the root and the accepted drafts now hold committed positions
+            base = r.num_computed_tokens - len(nodes)
+            rows += [off + j for j in nodes]
+            spans.append((r, range(base, base + len(nodes))))
+        self._inject(rows, spans, hidden)
+
+    # ---- draft ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, reqs: list[Request]) -> list[DraftTree]:
+        eng, dev, s = self.engine, self.engine.device, self.block_size
+        ctx_lens = [r.num_computed_tokens for r in reqs]
+        c_max = max(ctx_lens)
+        ctx_slots = torch.zeros(len(reqs), c_max, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ctx_slots[i, :ctx_lens[i]] = torch.tensor(self._slots(r, range(ctx_lens[i])))
+        ctx_mask = torch.arange(c_max)[None, :] < torch.tensor(ctx_lens)[:, None]
+        block_ids = torch.full((len(reqs), s), self.mask_token_id, dtype=torch.long)
+        block_ids[:, 0] = torch.tensor([r.output_token_ids[-1] for r in reqs])
+        positions = torch.tensor(ctx_lens)[:, None] + torch.arange(s)[None, :]
+        target = eng.model
+        embeds = target.embed_tokens(block_ids.to(dev)) * self.draft.config.input_embedding_scale
+        hidden = self.draft(embeds, positions.to(dev), ctx_slots.to(dev), ctx_mask.to(dev), self.cache)
+        logits = target.compute_logits(hidden[:, 1:]) * self.draft.config.output_multiplier  # [B, S-1, V]
+        trees = []
+        for i, r in enumerate(reqs):
+            root = r.output_token_ids[-1]
+            if self.tree_budget is not None:
+                lp, tk = logits[i].float().log_softmax(-1).topk(self.tree_topk, dim=-1)
+                trees.append(build_ddtree(lp.cpu(), tk.cpu(), root, self.tree_budget))
+            elif r.params.greedy:
+                trees.append(DraftTree.chain(root, logits[i].argmax(-1).tolist()))
+            else:
+                q = filter_logits(logits[i].float(), r.params).softmax(-1).cpu()
+                drafts = [sample_from_probs(q[j], r.generator) for j in range(q.shape[0])]
+                trees.append(DraftTree.chain(root, drafts, list(q)))
+        return trees
