@@ -82,14 +82,19 @@ def test_speculative_flags_passed_only_when_given(monkeypatch, keep_sigterm):
         "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 4}
 
 
-def test_speculative_flag_unsupported_by_engine_is_a_clear_error(capsys, keep_sigterm):
-    import inspect
-
-    from tercel.engine import LLMEngine
+def test_speculative_flag_unsupported_by_engine_is_a_clear_error(monkeypatch, capsys, keep_sigterm):
+    """An engine without the speculative keyword arguments: a readable error, exit code 2."""
+    import tercel.engine
     from tercel.server.cli import run_serve
 
-    if "speculative_algorithm" in inspect.signature(LLMEngine).parameters:
-        pytest.skip("LLMEngine supports speculative decoding now")
+    class OldEngine:
+        def __init__(self, model=None, *, dtype="auto", device="auto", **kw):
+            bad = next((k for k in kw if k.startswith("speculative")), None)
+            if bad:
+                raise TypeError(f"LLMEngine.__init__() got an unexpected keyword argument '{bad}'")
+            raise AssertionError("not reached")
+
+    monkeypatch.setattr(tercel.engine, "LLMEngine", OldEngine)
     assert run_serve(_serve_args("--speculative-algorithm", "EAGLE")) == 2
     err = capsys.readouterr().err
     assert "--speculative-algorithm" in err and "does not support speculative decoding" in err

@@ -93,6 +93,9 @@ class AsyncEngine:
         self.error: BaseException | None = None  # set when the engine thread died
         # engine thread only: request id -> [arrival, last token time]
         self._timing: dict[str, list[float]] = {}
+        self._spec_seen: list[int] = []  # the engine's accept histogram already exported
+        spec_config = getattr(engine, "spec_config", None)
+        self._spec_algorithm = getattr(spec_config, "algorithm", None) or "unknown"
         if metrics is not None:
             metrics.bind_engine_stats(engine.stats, lambda: self._pending)
 
@@ -224,6 +227,7 @@ class AsyncEngine:
                     continue
                 if outputs:
                     self._record(outputs)
+                    self._record_spec()
                     self._post(self._deliver, outputs)
                 elif not self.engine.scheduler.running:
                     time.sleep(0.005)  # nothing could be scheduled: do not spin
@@ -259,6 +263,21 @@ class AsyncEngine:
                 for rid in cmd[1]:
                     self.engine.abort_request(rid)
                     self._timing.pop(rid, None)
+
+    def _record_spec(self) -> None:
+        """Export the engine's speculative accept counters (deltas since the last step)."""
+        spec_stats = getattr(self.engine, "spec_stats", None)
+        stats = spec_stats() if spec_stats is not None and self.metrics is not None else None
+        if stats is None:
+            return
+        hist = stats.accept_histogram  # index k: verify steps that accepted k drafts (k + 1 tokens)
+        for k, total in enumerate(hist):
+            new = total - (self._spec_seen[k] if k < len(self._spec_seen) else 0)
+            if new > 0:
+                self.metrics.observe_spec_accept(self._spec_algorithm, k + 1, new)
+        self._spec_seen = list(hist)
+        if stats.accept_rate is not None:
+            self.metrics.spec_accept_rate.labels(self._spec_algorithm).set(stats.accept_rate)
 
     def _record(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()

@@ -1,8 +1,8 @@
 """Prometheus metrics for the server, on a private registry (several apps can live in one process).
 
-Each metric is one line below; adding one is one line too. Speculative-decoding metrics are
-registered now and stay empty until the engine reports accept lengths: then call
-`observe_spec_accept(algorithm, accepted_tokens_per_step)` from the engine loop.
+Each metric is one line below; adding one is one line too. The speculative-decoding metrics are
+labelled by algorithm; they stay empty while speculative decoding is off (the engine loop feeds them
+from LLMEngine.spec_stats() after each step).
 """
 from __future__ import annotations
 
@@ -35,7 +35,6 @@ class ServerMetrics:
         self.spec_accept_length = h("spec_decode_accept_length", "Tokens accepted per speculative verify step "
                                     "(including the bonus token).", ACCEPT_LENGTH_BUCKETS, ["algorithm"])
         self.spec_accept_rate = g("spec_decode_accept_rate", "Fraction of drafted tokens accepted.", ["algorithm"])
-        self._spec_totals: dict[str, tuple[int, int]] = {}
 
     # ---- one-line constructors ---------------------------------------------------------------
     def _counter(self, name: str, doc: str, labels: list[str] | None = None) -> Counter:
@@ -57,15 +56,11 @@ class ServerMetrics:
         self.kv_blocks_used.set_function(lambda: stats().kv_blocks_used)
         self.kv_blocks_total.set_function(lambda: stats().kv_blocks_total)
 
-    def observe_spec_accept(self, algorithm: str, accept_length: int, num_drafted: int) -> None:
-        """One verify step of one request: accept_length tokens emitted (accepted drafts + the bonus
-        token) out of num_drafted drafted. The rate gauge is accepted / drafted since start."""
-        self.spec_accept_length.labels(algorithm).observe(accept_length)
-        acc, drafted = self._spec_totals.get(algorithm, (0, 0))
-        acc, drafted = acc + max(0, accept_length - 1), drafted + num_drafted
-        self._spec_totals[algorithm] = (acc, drafted)
-        if drafted:
-            self.spec_accept_rate.labels(algorithm).set(acc / drafted)
+    def observe_spec_accept(self, algorithm: str, accept_length: int, count: int = 1) -> None:
+        """count verify steps that each emitted accept_length tokens (accepted drafts + the bonus token)."""
+        h = self.spec_accept_length.labels(algorithm)
+        for _ in range(count):
+            h.observe(accept_length)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
