@@ -10,7 +10,7 @@ target's (shared, not copied).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +156,28 @@ class DFlashDraftModel(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
+    def forward_dense(self, target_hidden: torch.Tensor, anchors: torch.Tensor, block_embeds: torch.Tensor
+                      ) -> torch.Tensor:
+        """Training form, no cache: one sequence's context and m blocks at once.
+        target_hidden: [T, n_aux * H] for positions 0..T-1; anchors: [m] block start positions (block i
+        sees context positions < anchors[i], and its own block non-causally); block_embeds: [m, S, H].
+        Returns the normed hidden states [m, S, H]."""
+        m, s, _ = block_embeds.shape
+        t = target_hidden.shape[0]
+        dev = block_embeds.device
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        ctx_cos, ctx_sin = self.rope.lookup(torch.arange(t, device=dev))
+        positions = anchors[:, None] + torch.arange(s, device=dev)[None, :]
+        cos, sin = self.rope.lookup(positions.reshape(-1))
+        ctx_mask = torch.arange(t, device=dev)[None, :] < anchors[:, None]  # [m, T]
+        h = block_embeds
+        for layer in self.layers:
+            k, v = layer.self_attn.kv(ctx, ctx_cos, ctx_sin)
+            ctx_k, ctx_v = k[None].expand(m, -1, -1, -1), v[None].expand(m, -1, -1, -1)
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, ctx_k, ctx_v, ctx_mask)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         params = dict(self.named_parameters())
         seen: set[str] = set()
@@ -200,4 +222,18 @@ def load_dflash(path: str | Path, target: ModelConfig, dtype: torch.dtype, devic
     model = model.to(dtype).to_empty(device=device)
     model.rope = RotaryEmbedding(cfg.layers, max_positions, dtype).to(device)
     model.load_weights(hf.iter_safetensors(hf.safetensors_files(path)), str(path))
+    _sort_target_layers(model)
     return model.eval().requires_grad_(False)
+
+
+def _sort_target_layers(model: DFlashDraftModel) -> None:
+    """The target returns aux hidden states in ascending layer order; if the checkpoint lists its
+    target layers otherwise, permute fc's input column blocks to match."""
+    ids = model.config.target_layer_ids
+    order = sorted(range(len(ids)), key=lambda i: ids[i])
+    if order == list(range(len(ids))):
+        return
+    h = model.config.layers.hidden_size
+    w = model.fc.weight.data.view(h, len(ids), -1)
+    model.fc.weight.data.copy_(w[:, order].reshape(h, -1))
+    model.config = replace(model.config, target_layer_ids=tuple(ids[i] for i in order))

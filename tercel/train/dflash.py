@@ -1,0 +1,164 @@
+"""Train a DFlash block draft for a target by self-distillation.
+
+Data: the target's own responses (tercel.train.data: Sample, built offline) and the target's hidden
+states at the chosen layers (data.target_features), computed per batch. Each step samples random anchor positions in every response: a block is
+[token at anchor, mask x (S - 1)] that sees the context before the anchor, and learns the next
+S - 1 tokens, with the loss weighted toward early block positions (w_j = exp(-(j - 1) / gamma)),
+since an early miss ends the accepted prefix. Embedding and lm_head are the target's, frozen.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..config import ModelConfig
+from ..models.dflash import DFlashConfig, DFlashDraftModel, default_target_layer_ids
+from ..models.llama import LlamaForCausalLM
+from .data import Sample, pack_batch, target_features
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class DFlashTrainConfig:
+    block_size: int = 16
+    num_layers: int = 2
+    intermediate_size: int = 768
+    target_layer_ids: tuple[int, ...] | None = None  # default: spread like the reference, 3 layers
+    mask_token_id: int = 0
+    anchors_per_sequence: int = 16
+    sequences_per_step: int = 16
+    steps: int = 1000
+    lr: float = 6e-4
+    warmup: int = 50
+    weight_decay: float = 0.0
+    loss_decay_gamma: float = 7.0
+    seed: int = 0
+    checkpoint_every: int = 200
+    extra: dict = field(default_factory=dict)
+
+
+def draft_config_dict(target: ModelConfig, cfg: DFlashTrainConfig) -> dict:
+    ids = tuple(sorted(cfg.target_layer_ids or default_target_layer_ids(target.num_layers, 3)))
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "vocab_size": target.vocab_size, "hidden_size": target.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": target.num_heads, "num_key_value_heads": target.num_kv_heads,
+        "head_dim": target.head_dim, "rms_norm_eps": target.rms_norm_eps, "rope_theta": target.rope_theta,
+        "max_position_embeddings": target.max_position_embeddings, "num_target_layers": target.num_layers,
+        "attention_bias": False, "tie_word_embeddings": False,
+        "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
+                          "target_layer_ids": list(ids)},
+    }
+
+
+def _block_loss(draft: DFlashDraftModel, target: LlamaForCausalLM, seq: torch.Tensor, hidden: torch.Tensor,
+                anchors: torch.Tensor, cfg: DFlashTrainConfig, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s = cfg.block_size
+    t = seq.shape[0]
+    offs = torch.arange(s, device=seq.device)
+    idx = anchors[:, None] + offs[None, :]  # [m, S]
+    block = torch.full_like(idx, cfg.mask_token_id)
+    block[:, 0] = seq[anchors]
+    labels = torch.where(idx < t, seq[idx.clamp(max=t - 1)], torch.full_like(idx, -100))[:, 1:]
+    embeds = target.embed_tokens(block).detach()
+    h = draft.forward_dense(hidden, anchors, embeds)[:, 1:]  # [m, S-1, H]
+    logits = target.compute_logits(h)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                         reduction="none").view(labels.shape)
+    valid = (labels != -100).float()
+    w = weights[None, :] * valid
+    hits = ((logits.argmax(-1) == labels).float() * valid)
+    return (ce * w).sum() / w.sum().clamp_min(1.0), hits.sum(0) / valid.sum(0).clamp_min(1.0)
+
+
+def train_dflash(target: LlamaForCausalLM, data: list[Sample], out_dir: str | Path,
+                 cfg: DFlashTrainConfig, device: torch.device, progress: bool = True,
+                 autocast_dtype: torch.dtype | None = None, stop_after: int | None = None) -> Path:
+    """Train (resuming from out_dir/trainer_state.pt when present) and write the z-lab format.
+    stop_after: end this call after that many steps (a time-boxed run), checkpointed for a resume."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tcfg = target.config
+    cfg_dict = draft_config_dict(tcfg, cfg)
+    dcfg = DFlashConfig.from_dict(cfg_dict, tcfg, str(out / "config.json"))
+    max_len = max(len(d.prompt) + len(d.response) for d in data) + cfg.block_size
+    g = torch.Generator().manual_seed(cfg.seed)
+    draft = DFlashDraftModel(dcfg, max_len, torch.float32).to(device)
+    with torch.no_grad():  # small init; norms at one
+        for name, p in draft.named_parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    target.requires_grad_(False)
+    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    state_path = out / "trainer_state.pt"
+    start = 0
+    if state_path.is_file():
+        state = torch.load(state_path, map_location=device, weights_only=True)
+        draft.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+        g.set_state(state["rng"])
+        log.info("resumed DFlash training at step %d", start)
+    weights = torch.exp(-torch.arange(cfg.block_size - 1, device=device, dtype=torch.float32) / cfg.loss_decay_gamma)
+    usable = [d for d in data if len(d.response) >= 2]
+    if not usable:
+        raise ValueError("no training sequence has a response of at least 2 tokens.")
+    end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+    bar = tqdm(range(start, end), initial=start, total=cfg.steps, desc="train dflash", disable=not progress)
+    ids = dcfg.target_layer_ids
+    for step in bar:
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        picks = torch.randint(0, len(usable), (cfg.sequences_per_step,), generator=g).tolist()
+        seqs = [usable[i] for i in picks]
+        packed, _, _ = pack_batch(seqs, max_len)
+        hiddens, _ = target_features(target, packed.to(device), tuple(sorted(ids)))
+        loss_total, acc_total = 0.0, None
+        opt.zero_grad(set_to_none=True)
+        for i, seq in enumerate(seqs):
+            n = len(seq.prompt) + len(seq.response)
+            tokens, hid = packed[i, :n].to(device), hiddens[i, :n]
+            lo, hi = len(seq.prompt), n - 2
+            anchors = torch.randint(lo, hi + 1, (cfg.anchors_per_sequence,), generator=g).to(device)
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                loss, acc = _block_loss(draft, target, tokens, hid.clone().float(), anchors, cfg, weights)
+            (loss / len(seqs)).backward()
+            loss_total += float(loss.detach()) / len(seqs)
+            acc_total = acc.detach() if acc_total is None else acc_total + acc.detach()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        acc_mean = (acc_total / len(seqs)).tolist()
+        bar.set_postfix(loss=f"{loss_total:.3f}", acc1=f"{acc_mean[0]:.2f}", lr=f"{lr:.1e}")
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
+            torch.save({"model": draft.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
+                        "rng": g.get_state()}, state_path)
+    save_dflash(draft, cfg_dict, out, {"train_config": json.dumps(asdict(cfg), default=str)})
+    return out
+
+
+def save_dflash(draft: DFlashDraftModel, cfg_dict: dict, out: Path, metadata: dict[str, str],
+                dtype: torch.dtype = torch.bfloat16) -> None:
+    """z-lab format: config.json + model.safetensors, gate/up split back into the checkpoint's names."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, p in draft.named_parameters():
+        t = p.detach().to("cpu", dtype)
+        if ".gate_up_proj." in name:
+            gate, up = t.chunk(2)
+            tensors[name.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
+            tensors[name.replace("gate_up_proj", "up_proj")] = up.contiguous()
+        else:
+            tensors[name] = t.contiguous()
+    (out / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", **metadata})
