@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, EngineConfig
-from .forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch, ModelOutput
 from .kv import KVCacheSpec, PagedKVCache, blocks_for_budget
 from .loader.model_loader import LoadedModel, load_model, parse_dtype
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -62,7 +62,9 @@ class LLMEngine:
                  loaded: LoadedModel | None = None, speculative_algorithm: str | None = None,
                  speculative_draft_model_path: str | Path | None = None, speculative_num_steps: int | None = None,
                  speculative_eagle_topk: int | None = None, speculative_num_draft_tokens: int | None = None,
-                 speculative_ddtree_budget: int | None = None) -> None:
+                 speculative_ddtree_budget: int | None = None, disable_cuda_graph: bool = False,
+                 cuda_graph_max_bs: int | None = None, cuda_graph_bs: list[int] | None = None,
+                 cuda_graph_backend: str = "full") -> None:
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.device)
         self.rng = torch.Generator().manual_seed(seed)
@@ -100,6 +102,22 @@ class LLMEngine:
             self, speculative_algorithm, speculative_draft_model_path, speculative_num_steps,
             speculative_eagle_topk, speculative_num_draft_tokens, default_model=model is None and loaded is None,
             ddtree_budget=speculative_ddtree_budget)
+        # GPU fast path (tercel.graphs): decode steps replay CUDA graphs captured now; inputs go up in one copy.
+        self.graph_runner = None
+        self._stager = None
+        if self.device.type == "cuda":
+            from .graphs.staging import HostStager
+
+            self._stager = HostStager(self.device)
+            if not disable_cuda_graph:
+                from .graphs import GraphConfig
+                from .graphs.steps import decode_graph_runner
+
+                graph_config = GraphConfig(max_bs=min(cuda_graph_max_bs or 256, max_num_seqs),
+                                           batch_sizes=tuple(cuda_graph_bs) if cuda_graph_bs else None,
+                                           backend=cuda_graph_backend)
+                self.graph_runner = decode_graph_runner(self.model, self.kv, self.config.max_model_len, graph_config,
+                                                        extra_tokens=self.spec.extra_slots if self.spec else 0)
 
     def _num_blocks(self, spec: KVCacheSpec) -> int:
         if self.config.num_kv_blocks is not None:
@@ -184,12 +202,18 @@ class LLMEngine:
             if self.spec is not None:
                 return self.spec.step(sched.scheduled)
             batch, sampled = self._build_batch(sched.scheduled)
-            out = self.model(batch, self.kv)
+            out = self.run_model(batch)
             for s in sched.scheduled:
                 s.request.num_computed_tokens += s.num_tokens
             reqs = [s.request for s in sampled]
             tokens, logprobs = self.sampler.sample(out.logits, reqs)
             return [self._postprocess(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs)]
+
+    def run_model(self, batch: ForwardBatch) -> ModelOutput:
+        """The target forward: a CUDA-graph replay when the runner can serve the batch, else eager."""
+        if self.graph_runner is not None:
+            return self.graph_runner.run(batch)
+        return self.model(batch, self.kv)
 
     def _build_batch(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, list[ScheduledRequest]]:
         bs = self.kv.block_size
@@ -212,15 +236,17 @@ class LLMEngine:
         width = max(len(s.request.block_table) for s in scheduled)
         tables = [s.request.block_table + [0] * (width - len(s.request.block_table)) for s in scheduled]
         dev = self.device
+        if self._stager is not None:  # GPU: one pinned host->device copy for all six
+            t_ids, t_pos, t_slots, t_lens, t_tables, t_logits = self._stager.upload(
+                [ids, positions, slots, seq_lens, [b for row in tables for b in row], logits_idx])
+            t_tables = t_tables.view(len(tables), width)
+        else:
+            t_ids, t_pos, t_slots, t_lens, t_tables, t_logits = (
+                torch.tensor(x, dtype=torch.long, device=dev)
+                for x in (ids, positions, slots, seq_lens, tables, logits_idx))
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            out_cache_loc=torch.tensor(slots, dtype=torch.long, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
-            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
-            query_lens=[s.num_tokens for s in scheduled],
-            seq_lens_cpu=seq_lens,
+            input_ids=t_ids, positions=t_pos, out_cache_loc=t_slots, seq_lens=t_lens, block_tables=t_tables,
+            logits_indices=t_logits, query_lens=[s.num_tokens for s in scheduled], seq_lens_cpu=seq_lens,
         )
         return batch, sampled
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ..forward_batch import ForwardBatch
 from ..kv import PagedKVCache
+from .base import AttentionBackend
 
 
 @dataclass(slots=True)
@@ -23,6 +24,8 @@ class TorchAttentionMetadata:
     mask: torch.Tensor | None = None
     # extend: per request (query offset, query len, kv slot indices [S], attention mask [q, S])
     per_request: list[tuple[int, int, torch.Tensor, torch.Tensor]] | None = None
+    # graph-safe (capture_metadata): every request has `uniform` queries; slots [B, S], mask [B, 1, q, S]
+    uniform: int = 0
 
 
 def _slot_indices(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -30,7 +33,7 @@ def _slot_indices(block_table: torch.Tensor, length: int, block_size: int) -> to
     return block_table[pos // block_size] * block_size + pos % block_size
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -68,11 +71,40 @@ class TorchAttentionBackend:
             offset += q_len
         return TorchAttentionMetadata(False, per_request=per_request)
 
+    def capture_metadata(self, batch: ForwardBatch, block_size: int, tokens_per_request: int) -> TorchAttentionMetadata:
+        """Graph-safe: keys span the whole block-table width and are masked from the device seq_lens,
+        so no host value is read. Keys no query may see read the dummy slot 0."""
+        t, tables, seq = tokens_per_request, batch.block_tables, batch.seq_lens
+        dev = tables.device
+        pos = torch.arange(tables.shape[1] * block_size, device=dev)
+        slots = tables[:, pos // block_size] * block_size + pos % block_size  # [B, S]
+        prefix = (seq - t)[:, None]
+        q_pos = prefix + torch.arange(t, device=dev)[None, :]  # [B, t]
+        mask = pos[None, None, :] <= q_pos[:, :, None]  # [B, t, S]
+        if batch.custom_masks is not None:  # a static verify step gives every request a [t, t] mask
+            custom = torch.stack([m.to(dev) for m in batch.custom_masks])
+            rel = (pos[None, :] - prefix).clamp(0, t - 1)
+            picked = torch.gather(custom, 2, rel[:, None, :].expand(-1, t, -1))
+            new = (pos[None, :] >= prefix) & (pos[None, :] < seq[:, None])
+            mask = torch.where(new[:, None, :], picked, mask)
+        if self.sliding_window is not None:
+            mask &= pos[None, None, :] > (q_pos[:, :, None] - self.sliding_window)
+        slots = torch.where(mask.any(1), slots, torch.zeros_like(slots))
+        return TorchAttentionMetadata(False, slots=slots, mask=mask[:, None], uniform=t)
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch, meta: TorchAttentionMetadata, kv: PagedKVCache) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] for this step's tokens. Returns [T, H * D]."""
         kv.write(layer, batch.out_cache_loc, k, v)
         k_cache, v_cache = kv.k[layer], kv.v[layer]
+        if meta.uniform:
+            b, t = meta.slots.shape[0], meta.uniform
+            keys = k_cache[meta.slots].transpose(1, 2)  # [B, Hkv, S, D]
+            values = v_cache[meta.slots].transpose(1, 2)
+            qb = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+            out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=meta.mask, scale=self.scale,
+                                                 enable_gqa=True)  # [B, H, t, D]
+            return out.transpose(1, 2).reshape(b * t, -1)
         if meta.decode and q.shape[0] == 1 and meta.mask.all():
             return self._single_decode(q, k_cache[meta.slots[0]], v_cache[meta.slots[0]])
         if meta.decode:

@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import ConfigError, ModelConfig
+from ..kernels import triton_enabled
 from ..models.llama import LlamaForCausalLM
 from ..models.rope import RotaryEmbedding
 from . import gguf_file, hf
@@ -77,6 +78,10 @@ def build_model(cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device
         model = LlamaForCausalLM(cfg, max_positions, dtype)
     model = model.to(dtype).to_empty(device=device)
     model.rope = RotaryEmbedding(cfg, max_positions, dtype).to(device)
+    if device.type == "cuda" and triton_enabled() and cfg.head_dim & (cfg.head_dim - 1) == 0:
+        from ..attention.triton_backend import TritonAttentionBackend  # GPU: Triton paged attention, fused RoPE
+
+        model.attn_backend = TritonAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
     return model.eval().requires_grad_(False)
 
 

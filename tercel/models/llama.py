@@ -14,6 +14,7 @@ from torch import nn
 from ..attention.torch_ref import TorchAttentionBackend
 from ..config import ConfigError, ModelConfig
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
+from ..kernels import use_triton
 from ..kv import PagedKVCache
 from .rope import RotaryEmbedding, apply_rope
 
@@ -25,12 +26,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            from ..kernels.fused import rms_norm
+            return rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused kernel, bit-identical to the formula below in fp32
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 like HF, then scale in the model dtype.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual add fused into the norm on the GPU."""
+        if use_triton(x):
+            from ..kernels.fused import add_rms_norm
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        residual = residual + x
+        return self(residual), residual
 
 
 class Attention(nn.Module):
@@ -54,6 +66,8 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
+        if backend.fuses_rope:  # RoPE and the K/V store in one kernel
+            return self.o_proj(backend.forward_rope(self.layer, qk, v, cos_sin, batch, meta, kv))
         qk = apply_rope(qk, *cos_sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         return self.o_proj(backend.forward(self.layer, q, k, v, batch, meta, kv))
@@ -66,7 +80,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if use_triton(gate_up):
+            from ..kernels.fused import silu_mul
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -112,26 +130,39 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, normed_hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(normed_hidden, self.lm_head_weight).float()
 
-    def forward(self, batch: ForwardBatch, kv: PagedKVCache, input_embeds: torch.Tensor | None = None) -> ModelOutput:
-        meta = self.attn_backend.prepare(batch, kv.block_size)
+    def forward(self, batch: ForwardBatch, kv: PagedKVCache, input_embeds: torch.Tensor | None = None,
+                attn_meta: object | None = None) -> ModelOutput:
+        """attn_meta: metadata prepared by the caller (graph capture: attn_backend.capture_metadata)."""
+        meta = attn_meta if attn_meta is not None else self.attn_backend.prepare(batch, kv.block_size)
         h = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
         mode = batch.capture_hidden_mode
+        aux_ids = self.aux_layer_ids if mode != CaptureHiddenMode.NULL else ()
         cos_sin = self.rope.lookup(batch.positions)
         aux: list[torch.Tensor] = []
+        # Residual stream h_i = h_(i-1) + attn + mlp; each add is fused into the norm that follows it,
+        # so h_i materialises as `residual` at the start of layer i + 1 (and at the final norm).
+        residual, delta = h, None
         for i, layer in enumerate(self.layers):
-            h = h + layer.self_attn(layer.input_layernorm(h), cos_sin, self.attn_backend, batch, meta, kv)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-            if mode != CaptureHiddenMode.NULL and i in self.aux_layer_ids:
-                aux.append(h)
-        last = h[batch.logits_indices]
-        normed_last = self.norm(last)
+            if delta is None:
+                x = layer.input_layernorm(residual)
+            else:
+                x, residual = layer.input_layernorm.add_forward(delta, residual)
+                if i - 1 in aux_ids:
+                    aux.append(residual)
+            attn = layer.self_attn(x, cos_sin, self.attn_backend, batch, meta, kv)
+            x, residual = layer.post_attention_layernorm.add_forward(attn, residual)
+            delta = layer.mlp(x)
+        normed, h = self.norm.add_forward(delta, residual)
+        if len(self.layers) - 1 in aux_ids:
+            aux.append(h)
+        normed_last = normed[batch.logits_indices]
         logits = self.compute_logits(normed_last)
         hidden = None
         if mode != CaptureHiddenMode.NULL:
             if self.aux_layer_ids:
                 full = torch.cat(aux, dim=-1)
             else:
-                full = self.norm(h) if mode == CaptureHiddenMode.FULL else normed_last
+                full = normed if mode == CaptureHiddenMode.FULL else normed_last
             hidden = full if mode == CaptureHiddenMode.FULL or not self.aux_layer_ids else full[batch.logits_indices]
         return ModelOutput(logits=logits, hidden_states=hidden)
 

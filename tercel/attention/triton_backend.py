@@ -1,0 +1,116 @@
+"""Attention on the GPU with Tercel's Triton kernels (tercel/kernels/attention.py).
+
+Decode batches use the split-KV decode kernel; everything else (prefill chunks, verify blocks,
+trees with custom masks) the extend kernel. RoPE and the K/V store are fused into one kernel
+(forward_rope). Metadata is a handful of device tensors, so capture_metadata is cheap and
+graph-safe, and replays need no prepare_replay.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..forward_batch import ForwardBatch
+from ..graphs.breakable import eager_break
+from ..kernels.attention import decode_attention, decode_splits, extend_attention
+from ..kernels.fused import rope_store
+from ..kv import PagedKVCache
+from .base import AttentionBackend
+
+
+@dataclass(slots=True)
+class TritonAttentionMetadata:
+    decode: bool
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    page_size: int
+    num_splits: int = 1
+    q_starts: torch.Tensor | None = None  # extend: where each request's queries start in T
+    q_lens: torch.Tensor | None = None
+    max_q_len: int = 0
+    masks: torch.Tensor | None = None  # flat uint8, request b's [q, q] mask at mask_offsets[b] (-1: causal)
+    mask_offsets: torch.Tensor | None = None
+
+
+class TritonAttentionBackend(AttentionBackend):
+    fuses_rope = True
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None,
+                 num_sms: int | None = None) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+        self.num_sms = num_sms
+
+    def _decode_meta(self, batch: ForwardBatch, block_size: int) -> TritonAttentionMetadata:
+        splits = decode_splits(batch.block_tables.shape[0], self.num_kv_heads, self.num_sms)
+        return TritonAttentionMetadata(True, batch.block_tables, batch.seq_lens, block_size, splits)
+
+    def prepare(self, batch: ForwardBatch, block_size: int) -> TritonAttentionMetadata:
+        if batch.is_decode:
+            return self._decode_meta(batch, block_size)
+        dev = batch.input_ids.device
+        starts, offsets, flat, off, start = [], [], [], 0, 0
+        for i, q in enumerate(batch.query_lens):
+            starts.append(start)
+            start += q
+            m = batch.custom_masks[i] if batch.custom_masks is not None else None
+            if m is None:
+                offsets.append(-1)
+            else:
+                offsets.append(off)
+                flat.append(m.reshape(-1).to(torch.uint8))
+                off += m.numel()
+        n = len(batch.query_lens)
+        packed = torch.tensor(starts + list(batch.query_lens) + offsets, dtype=torch.long).to(dev, non_blocking=True)
+        masks = torch.cat(flat).to(dev) if flat else None
+        return TritonAttentionMetadata(False, batch.block_tables, batch.seq_lens, block_size, 1, packed[:n],
+                                       packed[n:2 * n], max(batch.query_lens), masks,
+                                       packed[2 * n:] if masks is not None else None)
+
+    def capture_metadata(self, batch: ForwardBatch, block_size: int,
+                         tokens_per_request: int) -> TritonAttentionMetadata:
+        t = tokens_per_request
+        if t == 1 and batch.custom_masks is None:
+            return self._decode_meta(batch, block_size)
+        b = batch.block_tables.shape[0]
+        dev = batch.block_tables.device
+        idx = torch.arange(b, device=dev)
+        masks = offsets = None
+        if batch.custom_masks is not None:
+            masks = torch.stack(list(batch.custom_masks)).reshape(-1).to(torch.uint8)
+            offsets = idx * (t * t)
+        return TritonAttentionMetadata(False, batch.block_tables, batch.seq_lens, block_size, 1, idx * t,
+                                       torch.full((b,), t, device=dev, dtype=torch.long), t, masks, offsets)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                meta: TritonAttentionMetadata, kv: PagedKVCache) -> torch.Tensor:
+        kv.write(layer, batch.out_cache_loc, k, v)
+        return attend(self, layer, q, meta, kv)
+
+    def forward_rope(self, layer: int, qk: torch.Tensor, v: torch.Tensor,
+                     cos_sin: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+                     meta: TritonAttentionMetadata, kv: PagedKVCache) -> torch.Tensor:
+        q = rope_store(qk, v, cos_sin[0], cos_sin[1], batch.out_cache_loc, kv.k[layer], kv.v[layer], self.num_heads)
+        return attend(self, layer, q, meta, kv)
+
+
+@eager_break
+def attend(backend: TritonAttentionBackend, layer: int, q: torch.Tensor, meta: TritonAttentionMetadata,
+           kv: PagedKVCache) -> torch.Tensor:
+    """Attention over the cache for q [T, H, D] -> [T, H * D]. An eager break: under breakable capture
+    it runs between graph segments (the place for planners or host-synced shapes)."""
+    k_cache, v_cache = kv.k[layer], kv.v[layer]
+    if meta.decode:
+        out = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.page_size,
+                               backend.scale, meta.num_splits, window=backend.sliding_window)
+    else:
+        out = extend_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.q_starts, meta.q_lens,
+                               meta.max_q_len, meta.page_size, backend.scale, window=backend.sliding_window,
+                               masks=meta.masks, mask_offsets=meta.mask_offsets)
+    return out.reshape(q.shape[0], -1)

@@ -1,0 +1,234 @@
+"""Paged attention kernels (Triton) over Tercel's KV layout: per layer k/v [slots, Hkv, D],
+slot = block_table[request, pos // page] * page + pos % page.
+
+decode_attention   one query per request. Split-KV ("flash decoding"): grid (B, Hkv, splits), each
+                   program serves the whole GQA group of one KV head over a 1/splits share of the
+                   keys (the share is computed in the kernel from seq_lens, so a captured graph
+                   serves any length); a second kernel merges the splits by their log-sum-exp.
+                   With one split the first kernel writes the output directly.
+extend_attention   several queries per request (prefill chunks, verify blocks, trees): causal over
+                   prefix + new tokens, or, per request, a custom [q, q] mask among the new tokens.
+
+Both take every size from device tensors or from shapes fixed at capture, so they are safe inside
+CUDA graphs. Keys beyond a request's seq_len are never read, so block-table columns past a
+request's own blocks may hold anything.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(Q, KC, VC, BT, SL, O, PO, PL,
+                         stride_qb, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
+                         stride_ob, stride_oh, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+                         qk_scale, window,
+                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SL + b).to(tl.int32)
+    per = tl.cdiv(seq_len, NUM_SPLITS)
+    start = split * per
+    end = tl.minimum(start + per, seq_len)
+    if window > 0:
+        start = tl.maximum(start, seq_len - window)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    gm = g < GROUP
+    heads = kvh * GROUP + g
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        page = tl.load(BT + b * stride_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
+        slot = page * PAGE + pos % PAGE
+        k = tl.load(KC + slot[:, None] * stride_kcs + kvh * stride_kch + d[None, :], mask=valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VC + slot[:, None] * stride_vcs + kvh * stride_vch + d[None, :], mask=valid[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(O + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
+                 mask=gm[:, None])
+    else:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(PO + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + d[None, :], out,
+                 mask=gm[:, None])
+        tl.store(PL + b * stride_plb + heads * stride_plh + split, lse, mask=gm)
+
+
+@triton.jit
+def _decode_merge_kernel(PO, PL, O, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
+                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    sm = s < NUM_SPLITS
+    lse = tl.load(PL + b * stride_plb + h * stride_plh + s, mask=sm, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    w = tl.where(sm & (lse > float("-inf")), tl.exp2(lse - mx), 0.0)
+    po = tl.load(PO + b * stride_pob + h * stride_poh + s[:, None] * stride_pos + d[None, :], mask=sm[:, None],
+                 other=0.0)
+    out = tl.sum(po * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(O + b * stride_ob + h * stride_oh + d, out.to(O.dtype.element_ty))
+
+
+def decode_splits(batch_size: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
+    """Splits per (request, KV head) so that about two waves of programs cover the GPU. Depends only
+    on the batch size, so eager and graph runs of one size use the same kernels (same rounding)."""
+    return max(1, min(max_splits, (2 * num_sms) // max(1, batch_size * num_kv_heads)))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, page_size: int, scale: float, num_splits: int,
+                     window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, H, D]; k_cache, v_cache: [slots, Hkv, D]; block_tables: [B, W]; seq_lens: [B] (>= 1).
+    Returns [B, H, D]."""
+    bsz, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    if out is None:
+        out = torch.empty((bsz, heads, dim), dtype=q.dtype, device=q.device)
+    if bsz == 0:
+        return out
+    if num_splits > 1:
+        part_o = torch.empty((bsz, heads, num_splits, dim), dtype=torch.float32, device=q.device)
+        part_l = torch.empty((bsz, heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o, part_l = out, out  # unused
+    block_n = 64 if dim <= 128 else 32
+    _decode_split_kernel[(bsz, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_l,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        part_o.stride(0) if num_splits > 1 else 0, part_o.stride(1) if num_splits > 1 else 0,
+        part_o.stride(2) if num_splits > 1 else 0, part_l.stride(0) if num_splits > 1 else 0,
+        part_l.stride(1) if num_splits > 1 else 0,
+        scale * LOG2E, window or 0,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, PAGE=page_size,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+    if num_splits > 1:
+        _decode_merge_kernel[(bsz, heads)](
+            part_o, part_l, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0),
+            part_l.stride(1), out.stride(0), out.stride(1),
+            HEAD_DIM=dim, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
+    return out
+
+
+@triton.jit
+def _extend_kernel(Q, KC, VC, O, BT, SL, QS, QL, MASK, MOFF,
+                   stride_qt, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
+                   stride_ot, stride_oh, qk_scale, window,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    m0 = tl.program_id(2) * BLOCK_M
+    q_len = tl.load(QL + b).to(tl.int32)
+    if m0 < q_len:
+        q_start = tl.load(QS + b).to(tl.int64)
+        seq_len = tl.load(SL + b).to(tl.int32)
+        prefix = seq_len - q_len
+        kvh = h // GROUP
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mv = offs_m < q_len
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + d[None, :], mask=mv[:, None],
+                    other=0.0)
+        q_pos = prefix + offs_m
+        end = tl.minimum(seq_len, prefix + m0 + BLOCK_M)
+        moff = tl.full([], -1, tl.int64)
+        if HAS_MASK:
+            moff = tl.load(MOFF + b).to(tl.int64)
+            end = tl.where(moff >= 0, seq_len, end)  # a custom mask may look past the causal edge
+        lo = prefix * 0
+        if window > 0:
+            lo = tl.maximum(prefix + m0 - window + 1, 0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for n0 in range(lo, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            kv_ok = pos < end
+            page = tl.load(BT + b * stride_bt + pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
+            slot = page * PAGE + pos % PAGE
+            k = tl.load(KC + slot[:, None] * stride_kcs + kvh * stride_kch + d[None, :], mask=kv_ok[:, None],
+                        other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            allowed = kv_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+            if HAS_MASK:
+                new = (pos >= prefix) & (moff >= 0)
+                mval = tl.load(MASK + moff + offs_m[:, None] * q_len + (pos - prefix)[None, :],
+                               mask=mv[:, None] & new[None, :] & kv_ok[None, :], other=0)
+                allowed = tl.where(new[None, :], kv_ok[None, :] & (mval != 0), allowed)
+            if window > 0:
+                allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(allowed, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(VC + slot[:, None] * stride_vcs + kvh * stride_vch + d[None, :], mask=kv_ok[:, None],
+                        other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + d[None, :],
+                 out.to(O.dtype.element_ty), mask=mv[:, None])
+
+
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor, max_q_len: int,
+                     page_size: int, scale: float, window: int | None = None, masks: torch.Tensor | None = None,
+                     mask_offsets: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, H, D] packed by request (request b's queries at q_starts[b] .. + q_lens[b]); their K/V are
+    already in the cache. masks: flat bool/uint8 [sum q_len^2] with mask_offsets[b] (-1: causal)."""
+    t, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if out is None:
+        out = torch.empty((t, heads, dim), dtype=q.dtype, device=q.device)
+    bsz = seq_lens.shape[0]
+    if t == 0 or bsz == 0:
+        return out
+    block_m = 16 if max_q_len <= 16 else 64
+    has_mask = masks is not None
+    if has_mask and masks.dtype == torch.bool:
+        masks = masks.view(torch.uint8)
+    _extend_kernel[(bsz, heads, triton.cdiv(max_q_len, block_m))](
+        q, k_cache, v_cache, out, block_tables, seq_lens, q_starts, q_lens,
+        masks if has_mask else q_lens, mask_offsets if has_mask else q_lens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, window or 0,
+        GROUP=heads // kv_heads, HEAD_DIM=dim, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=64 if dim <= 128 else 32,
+        HAS_MASK=has_mask, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+    return out

@@ -1,0 +1,148 @@
+"""Fused elementwise kernels for the decoder layer (Triton):
+
+  add_rms_norm  residual + x and RMSNorm of the sum, one pass (2 launches -> 1, plus 6 for bf16 norm)
+  rms_norm      RMSNorm alone (the first layer's input)
+  silu_mul      SwiGLU: silu(gate) * up from the fused gate_up projection
+  rope_store    RoPE on q and k, k and v written straight into the paged cache, rotated q returned
+
+Each matches the PyTorch formula of models/llama.py and models/rope.py in fp32 arithmetic, rounding
+where PyTorch rounds (the normalised value to the model dtype before the weight multiply, silu(gate)
+before the product), so the GPU path stays close to the CPU reference.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(X, R, W, Y, ROUT, stride_x, stride_r, stride_y, stride_ro, n_cols, eps,
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < n_cols
+    x = tl.load(X + row * stride_x + offs, mask=m, other=0.0)
+    if HAS_RES:
+        r = tl.load(R + row * stride_r + offs, mask=m, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(ROUT + row * stride_ro + offs, x, mask=m)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    w = tl.load(W + offs, mask=m, other=0.0)
+    y = (xf * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+    tl.store(Y + row * stride_y + offs, y.to(x.dtype), mask=m)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x2 = _rows(x)
+    y = torch.empty_like(x2)
+    n = x2.shape[-1]
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, x2.stride(0), x2.stride(0), y.stride(0), y.stride(0),
+                                         n, eps, HAS_RES=False, BLOCK=triton.next_power_of_2(n), num_warps=4)
+    return y.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x); neither input is modified."""
+    x2, r2 = _rows(x), _rows(residual)
+    y = torch.empty_like(x2)
+    r_out = torch.empty_like(x2)
+    n = x2.shape[-1]
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, r_out, x2.stride(0), r2.stride(0), y.stride(0),
+                                         r_out.stride(0), n, eps, HAS_RES=True, BLOCK=triton.next_power_of_2(n),
+                                         num_warps=4)
+    return y.view(x.shape), r_out.view(x.shape)
+
+
+@triton.jit
+def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n_cols
+    g = tl.load(GU + row * stride_gu + offs, mask=m, other=0.0)
+    u = tl.load(GU + row * stride_gu + n_cols + offs, mask=m, other=0.0)
+    gf = g.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    tl.store(OUT + row * stride_o + offs, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=m)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [..., 2I] (gate first) -> [..., I]."""
+    x2 = _rows(gate_up)
+    n = x2.shape[-1] // 2
+    out = torch.empty((x2.shape[0], n), dtype=x2.dtype, device=x2.device)
+    block = min(1024, triton.next_power_of_2(n))
+    if x2.shape[0]:
+        _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), out.stride(0), n, BLOCK=block,
+                                                              num_warps=4)
+    return out.view(*gate_up.shape[:-1], n)
+
+
+@triton.jit
+def _rope_store_kernel(QK, V, COS, SIN, LOC, QOUT, KC, VC,
+                       stride_qkt, stride_qkh, stride_vt, stride_vh, stride_ct, stride_st,
+                       stride_qot, stride_qoh, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                       NQ: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_HV: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HALF)
+    hm = h < NQ + NKV
+    base = QK + t * stride_qkt + h[:, None] * stride_qkh + d[None, :]
+    x1 = tl.load(base, mask=hm[:, None], other=0.0)
+    x2 = tl.load(base + HALF, mask=hm[:, None], other=0.0)
+    c1 = tl.load(COS + t * stride_ct + d).to(tl.float32)[None, :]
+    c2 = tl.load(COS + t * stride_ct + HALF + d).to(tl.float32)[None, :]
+    s1 = tl.load(SIN + t * stride_st + d).to(tl.float32)[None, :]
+    s2 = tl.load(SIN + t * stride_st + HALF + d).to(tl.float32)[None, :]
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    o1 = (x1f * c1 - x2f * s1).to(x1.dtype)
+    o2 = (x2f * c2 + x1f * s2).to(x1.dtype)
+    is_q = h < NQ
+    qo = QOUT + t * stride_qot + h[:, None] * stride_qoh + d[None, :]
+    tl.store(qo, o1, mask=is_q[:, None])
+    tl.store(qo + HALF, o2, mask=is_q[:, None])
+    loc = tl.load(LOC + t).to(tl.int64)
+    is_k = (h >= NQ) & hm
+    kh = tl.where(is_k, h - NQ, 0)
+    ko = KC + loc * stride_kcs + kh[:, None] * stride_kch + d[None, :]
+    tl.store(ko, o1, mask=is_k[:, None])
+    tl.store(ko + HALF, o2, mask=is_k[:, None])
+    hv = tl.arange(0, BLOCK_HV)
+    vm = hv < NKV
+    dv = tl.arange(0, 2 * HALF)
+    vals = tl.load(V + t * stride_vt + hv[:, None] * stride_vh + dv[None, :], mask=vm[:, None], other=0.0)
+    tl.store(VC + loc * stride_vcs + hv[:, None] * stride_vch + dv[None, :], vals, mask=vm[:, None])
+
+
+def rope_store(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_cache_loc: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """qk: [T, H + Hkv, D] (views into the fused qkv output), v: [T, Hkv, D]; cos/sin: [T, 1, D] or [T, D];
+    k_cache/v_cache: [slots, Hkv, D] of one layer. Writes rotated k and v at out_cache_loc, returns
+    rotated q [T, H, D]."""
+    t, heads, dim = qk.shape
+    nkv = heads - num_heads
+    if qk.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("rope_store needs the head dimension contiguous.")
+    if dim & (dim - 1):
+        raise ValueError(f"rope_store needs a power-of-two head_dim, got {dim}.")
+    cos2, sin2 = cos.reshape(t, -1), sin.reshape(t, -1)
+    q_out = torch.empty((t, num_heads, dim), dtype=qk.dtype, device=qk.device)
+    if t:
+        _rope_store_kernel[(t,)](
+            qk, v, cos2, sin2, out_cache_loc, q_out, k_cache, v_cache,
+            qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), cos2.stride(0), sin2.stride(0),
+            q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+            v_cache.stride(1),
+            NQ=num_heads, NKV=nkv, HALF=dim // 2, BLOCK_H=triton.next_power_of_2(heads),
+            BLOCK_HV=triton.next_power_of_2(nkv), num_warps=4)
+    return q_out

@@ -1,0 +1,190 @@
+"""Checks of the Triton kernels against the PyTorch reference, shared by the GPU tests (native
+kernels on CUDA) and the CPU tests (TRITON_INTERPRET=1, in a subprocess). Run directly:
+TRITON_INTERPRET=1 PYTHONPATH=. python tests/kernel_checks.py
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def _patch_interpreter_for_numpy2() -> None:
+    """Triton 3.6's interpreter turns 1-element arrays into loop bounds with int(array), which
+    NumPy 2 rejects; take the element instead (CPU development only)."""
+    import triton.runtime.interpreter as interp
+
+    orig = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter_for_numpy2()
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype == torch.float32 else 2e-2
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
+
+
+def check_norms(device: str, dtype: torch.dtype) -> None:
+    from tercel.kernels.fused import add_rms_norm, rms_norm, silu_mul
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for rows, cols in [(1, 576), (7, 4096), (33, 100)]:
+        x = torch.randn(rows, cols, generator=g).to(device, dtype)
+        r = torch.randn(rows, cols, generator=g).to(device, dtype)
+        w = (1 + 0.1 * torch.randn(cols, generator=g)).to(device, dtype)
+        s = (r + x)
+        ref = w * (s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        y, r_out = add_rms_norm(x, r, w, 1e-5)
+        assert torch.equal(r_out, s), "residual sum differs"
+        assert _rel(y, ref) < _tol(dtype), _rel(y, ref)
+        y2 = rms_norm(s, w, 1e-5)
+        assert _rel(y2, ref) < _tol(dtype)
+        gu = torch.randn(rows, 2 * cols, generator=g).to(device, dtype)
+        gate, up = gu.chunk(2, dim=-1)
+        assert _rel(silu_mul(gu), F.silu(gate) * up) < _tol(dtype)
+
+
+def check_rope_store(device: str, dtype: torch.dtype) -> None:
+    from tercel.kernels.fused import rope_store
+    from tercel.models.rope import apply_rope
+
+    g = torch.Generator(device="cpu").manual_seed(1)
+    t, nq, nkv, d, slots = 5, 6, 2, 64, 40
+    qkv = torch.randn(t, (nq + 2 * nkv) * d, generator=g).to(device, dtype)
+    qk = qkv[:, :(nq + nkv) * d].view(t, nq + nkv, d)
+    v = qkv[:, (nq + nkv) * d:].view(t, nkv, d)
+    ang = torch.rand(t, d // 2, generator=g) * 6
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(device, dtype)[:, None, :]
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(device, dtype)[:, None, :]
+    loc = torch.tensor([3, 17, 0, 39, 8], device=device)
+    kc = torch.zeros(slots, nkv, d, device=device, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    q = rope_store(qk, v, cos, sin, loc, kc, vc, nq)
+    ref = apply_rope(qk, cos, sin)
+    assert _rel(q, ref[:, :nq]) < _tol(dtype)
+    assert _rel(kc[loc], ref[:, nq:]) < _tol(dtype)
+    assert torch.equal(vc[loc], v)
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[loc.cpu()] = False
+    assert kc[untouched.to(device)].abs().sum() == 0
+
+
+def _paged_case(device: str, dtype: torch.dtype, seq_lens: list[int], nq: int, nkv: int, d: int, page: int,
+                seed: int):
+    """A random paged cache with shuffled blocks (block 0 reserved) and the block tables of len(seq_lens) requests."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    need = [math.ceil(s / page) for s in seq_lens]
+    num_blocks = sum(need) + 3
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    tables, i = [], 0
+    width = max(need) + 2
+    for n in need:
+        row = perm[i:i + n]
+        i += n
+        # columns past a request's blocks hold other requests' blocks: kernels must not read them
+        tables.append(row + perm[:width - n])
+    kc = torch.randn(num_blocks * page, nkv, d, generator=g).to(device, dtype)
+    vc = torch.randn(num_blocks * page, nkv, d, generator=g).to(device, dtype)
+    bt = torch.tensor(tables, device=device)
+    return kc, vc, bt
+
+
+def _ref_attention(q_rows: torch.Tensor, kc, vc, table: torch.Tensor, seq_len: int, page: int, scale: float,
+                   mask: torch.Tensor) -> torch.Tensor:
+    pos = torch.arange(seq_len, device=kc.device)
+    slots = table[pos // page] * page + pos % page
+    keys = kc[slots].double().transpose(0, 1)  # [Hkv, S, D]
+    vals = vc[slots].double().transpose(0, 1)
+    qd = q_rows.double().transpose(0, 1)  # [H, q, D]
+    rep = qd.shape[0] // keys.shape[0]
+    keys, vals = keys.repeat_interleave(rep, 0), vals.repeat_interleave(rep, 0)
+    s = (qd @ keys.transpose(1, 2)) * scale
+    s = s.masked_fill(~mask[None], float("-inf"))
+    return (s.softmax(-1) @ vals).transpose(0, 1)  # [q, H, D]
+
+
+def check_decode(device: str, dtype: torch.dtype) -> None:
+    from tercel.kernels.attention import decode_attention
+
+    nq, nkv, d, page = 8, 2, 64, 16
+    seq_lens = [1, 17, 100, 64, 250]
+    kc, vc, bt = _paged_case(device, dtype, seq_lens, nq, nkv, d, page, seed=2)
+    g = torch.Generator(device="cpu").manual_seed(3)
+    q = torch.randn(len(seq_lens), nq, d, generator=g).to(device, dtype)
+    sl = torch.tensor(seq_lens, device=device)
+    scale = d ** -0.5
+    for splits in (1, 3, 8):
+        for window in (None, 40):
+            out = decode_attention(q, kc, vc, bt, sl, page, scale, splits, window=window)
+            for b, s in enumerate(seq_lens):
+                pos = torch.arange(s, device=device)
+                mask = torch.ones(1, s, dtype=torch.bool, device=device)
+                if window:
+                    mask &= pos[None] > (s - 1 - window)
+                ref = _ref_attention(q[b:b + 1], kc, vc, bt[b], s, page, scale, mask)
+                err = _rel(out[b:b + 1], ref)
+                assert err < _tol(dtype), (splits, window, b, err)
+
+
+def check_extend(device: str, dtype: torch.dtype) -> None:
+    from tercel.kernels.attention import extend_attention
+
+    nq, nkv, d, page = 6, 3, 64, 16
+    seq_lens = [5, 70, 33, 90]
+    q_lens = [5, 70, 4, 4]  # a whole prefill, a long chunk, two verify blocks
+    kc, vc, bt = _paged_case(device, dtype, seq_lens, nq, nkv, d, page, seed=4)
+    g = torch.Generator(device="cpu").manual_seed(5)
+    t = sum(q_lens)
+    q = torch.randn(t, nq, d, generator=g).to(device, dtype)
+    starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    scale = d ** -0.5
+    for use_mask in (False, True):
+        for window in (None, 24):
+            masks = offsets = None
+            if use_mask:  # request 3 verifies a tree; the others stay causal
+                masks = tree.flatten().to(device)
+                offsets = torch.tensor([-1, -1, -1, 0], device=device)
+            out = extend_attention(q, kc, vc, bt, torch.tensor(seq_lens, device=device),
+                                   torch.tensor(starts, device=device), torch.tensor(q_lens, device=device),
+                                   max(q_lens), page, scale, window=window, masks=masks, mask_offsets=offsets)
+            for b, (s, ql, st) in enumerate(zip(seq_lens, q_lens, starts)):
+                prefix = s - ql
+                kv_idx = torch.arange(s, device=device)
+                q_idx = torch.arange(ql, device=device) + prefix
+                mask = kv_idx[None, :] <= q_idx[:, None]
+                if use_mask and b == 3:
+                    mask[:, prefix:] = tree.to(device)
+                if window:
+                    mask &= kv_idx[None, :] > (q_idx[:, None] - window)
+                ref = _ref_attention(q[st:st + ql], kc, vc, bt[b], s, page, scale, mask)
+                err = _rel(out[st:st + ql], ref)
+                assert err < _tol(dtype), (use_mask, window, b, err)
+
+
+ALL = [check_norms, check_rope_store, check_decode, check_extend]
+
+
+def run_all(device: str, dtype: torch.dtype) -> None:
+    for check in ALL:
+        check(device, dtype)
+        print(f"ok {check.__name__} {device} {dtype}", flush=True)
+
+
+if __name__ == "__main__":
+    dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    run_all(dev, torch.float32)
