@@ -28,10 +28,32 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
 
 
+def add_speculative_args(p: argparse.ArgumentParser, default_algorithm: str | None = None) -> None:
+    g = p.add_argument_group("speculative decoding (SGLang's flags)")
+    g.add_argument("--speculative-algorithm", default=default_algorithm, type=str.upper,
+                   choices=["AUTO", "NONE", "NGRAM", "EAGLE", "EAGLE3"],
+                   help="AUTO (default): EAGLE3 with the bundled draft on the default model, off for other models; "
+                        "NONE: plain decoding")
+    g.add_argument("--speculative-draft-model-path", default=None, help="EAGLE / EAGLE-3 draft directory")
+    g.add_argument("--speculative-num-steps", type=int, default=None, help="draft depth (default 5)")
+    g.add_argument("--speculative-eagle-topk", type=int, default=None, help="branches per draft step (1: chain)")
+    g.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="tree nodes verified per step, root included (chain: num_steps + 1)")
+
+
+def speculative_kwargs(args: argparse.Namespace) -> dict:
+    algo = args.speculative_algorithm
+    if algo == "AUTO":
+        algo = "EAGLE3" if args.model is None else None
+    return dict(speculative_algorithm=algo, speculative_draft_model_path=args.speculative_draft_model_path,
+                speculative_num_steps=args.speculative_num_steps, speculative_eagle_topk=args.speculative_eagle_topk,
+                speculative_num_draft_tokens=args.speculative_num_draft_tokens)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from . import LLM, SamplingParams
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(args.model, **engine_kwargs(args), **speculative_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.request_seed, ignore_eos=args.ignore_eos)
     if args.prompt is not None:
@@ -49,10 +71,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
     m = last.metrics
     ttft = (m.time_to_first_token or 0.0) * 1000
     rate = m.decode_tokens_per_s
+    spec = ""
+    if llm.engine.spec is not None:
+        cfg = llm.engine.spec_config
+        shape = "chain" if cfg.topk == 1 else f"tree topk {cfg.topk}"
+        mal = m.mean_accept_length
+        spec = (f" | {cfg.algorithm} ({shape}, {cfg.num_draft_tokens} tokens/verify): mean accept length "
+                f"{mal:.2f}" if mal is not None else f" | {cfg.algorithm}: no verify steps")
     print(f"\n-- {m.num_generated_tokens} tokens in {elapsed:.2f} s | TTFT {ttft:.0f} ms | decode "
-          f"{rate:.1f} tok/s | finish: {last.outputs[0].finish_reason}" if rate else
-          f"\n-- {m.num_generated_tokens} tokens in {elapsed:.2f} s | finish: {last.outputs[0].finish_reason}",
+          f"{rate:.1f} tok/s | finish: {last.outputs[0].finish_reason}{spec}" if rate else
+          f"\n-- {m.num_generated_tokens} tokens in {elapsed:.2f} s | finish: {last.outputs[0].finish_reason}{spec}",
           file=sys.stderr)
+    return 0
+
+
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    if args.algorithm != "eagle3":
+        print(f"error: --algorithm {args.algorithm} has no trainer yet (eagle3 has).", file=sys.stderr)
+        return 2
+    from .train.eagle3 import Eagle3TrainConfig, Eagle3Trainer
+
+    cfg = Eagle3TrainConfig(
+        out=args.out, target=args.target, device=args.device, num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens, gen_temperature=args.gen_temperature, gen_max_num_seqs=args.gen_batch,
+        max_len=args.max_len, draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
+        ttt_steps=args.ttt_steps, batch_size=args.batch_size, lr=args.lr, max_steps=args.max_steps,
+        time_budget_s=args.time_budget, gen_time_budget_s=args.gen_time_budget, save_every=args.save_every, seed=args.seed)
+    out = Eagle3Trainer(cfg).train()
+    print(f"draft written to {out} (load it with --speculative-algorithm EAGLE3 --speculative-draft-model-path {out})")
     return 0
 
 
@@ -72,7 +118,34 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--request-seed", type=int, default=None, help="seed for this request's sampling")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     add_engine_args(gen)
+    add_speculative_args(gen, default_algorithm="AUTO")
     gen.set_defaults(func=cmd_generate)
+    tr = sub.add_parser("train-draft", help="train a speculative draft head by self-distillation",
+                        description="Train a draft for a target: the target answers prompts built from offline "
+                                    "text (Python stdlib, installed package docs), the draft learns its "
+                                    "distributions with a training-time test; resumable; writes the SpecForge "
+                                    "format. Example: tercel train-draft --algorithm eagle3 --out drafts/mine")
+    tr.add_argument("--algorithm", default="eagle3", choices=["eagle3"], type=str.lower)
+    tr.add_argument("--target", default=None, help="target model (default: SmolLM2-135M-Instruct)")
+    tr.add_argument("--out", required=True, help="output directory (also holds data.pt and checkpoint.pt to resume)")
+    tr.add_argument("--device", default="auto")
+    tr.add_argument("--num-prompts", type=int, default=4096)
+    tr.add_argument("--max-new-tokens", type=int, default=256, help="response length cap when generating data")
+    tr.add_argument("--gen-temperature", type=float, default=0.0)
+    tr.add_argument("--gen-batch", type=int, default=512, help="requests generated at once")
+    tr.add_argument("--gen-time-budget", type=float, default=None,
+                    help="stop generating new batches of responses after this many seconds")
+    tr.add_argument("--max-len", type=int, default=512, help="tokens per training sequence")
+    tr.add_argument("--draft-vocab-size", type=int, default=4096)
+    tr.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
+    tr.add_argument("--ttt-steps", type=int, default=6, help="unrolled draft steps (training-time test)")
+    tr.add_argument("--batch-size", type=int, default=32)
+    tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--max-steps", type=int, default=2000)
+    tr.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
+    tr.add_argument("--save-every", type=int, default=200)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.set_defaults(func=cmd_train_draft)
     try:
         from .server.cli import add_serve_parser
     except ImportError:  # server extras (fastapi, uvicorn) not installed

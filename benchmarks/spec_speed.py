@@ -1,0 +1,87 @@
+"""Decode speed with and without speculative decoding (eager, no CUDA graphs): plain vs NGRAM vs
+EAGLE3 (chain and tree) on SmolLM2 at batch 1 and 16, greedy, fixed-length outputs. Prints a table;
+writes a JSON. A sanity run: no speed goal (the eager reference attention is launch-bound).
+
+Usage: PYTHONPATH=. python benchmarks/spec_speed.py [--model PATH] [--draft DIR] [--device cuda]
+       [--new-tokens 128] [--out benchmarks/results/spec_speed_smollm2_h200.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import copy_bandwidth, environment  # noqa: E402
+
+CONFIGS = [("plain", None, None, None), ("ngram", "NGRAM", 1, 6), ("eagle3-chain-5", "EAGLE3", 1, None),
+           ("eagle3-tree-topk4-8", "EAGLE3", 4, 8)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batch-sizes", default="1,16")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "spec_speed_smollm2_h200.json"))
+    args = ap.parse_args()
+    import torch
+
+    from tercel import LLM, SamplingParams
+    from tercel.engine import LLMEngine
+    from tercel.spec import DEFAULT_EAGLE3_DRAFT
+    from tercel.train.data import EVAL_CHAT_PROMPTS, EVAL_CODE_PROMPTS
+
+    draft = args.draft or str(DEFAULT_EAGLE3_DRAFT)
+    base = LLM(args.model, device=args.device, progress=False)
+    tok = base.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in EVAL_CHAT_PROMPTS + EVAL_CODE_PROMPTS]
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    rows = []
+    for name, algo, topk, n in CONFIGS:
+        llm = LLM.__new__(LLM)
+        llm.engine = LLMEngine(loaded=base.engine.loaded, device=args.device, dtype=base.engine.dtype,
+                               speculative_algorithm=algo, speculative_draft_model_path=draft if algo == "EAGLE3" else None,
+                               speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))  # warm-up
+        for bs in (int(b) for b in args.batch_sizes.split(",")):
+            batch = [prompts[i % len(prompts)] for i in range(bs)]
+            times, mal = [], None
+            for _ in range(args.repeats):
+                sync()
+                t = time.perf_counter()
+                outs = llm.generate(batch, params)
+                sync()
+                times.append(time.perf_counter() - t)
+                steps = sum(o.metrics.spec_verify_steps for o in outs)
+                mal = (sum(o.metrics.spec_accepted_tokens for o in outs) + steps) / steps if steps else None
+            wall = statistics.median(times)
+            tps = bs * args.new_tokens / wall
+            rows.append({"config": name, "batch_size": bs, "tokens_per_s": round(tps, 1), "wall_s": round(wall, 3),
+                         "mean_accept_length": round(mal, 3) if mal else None})
+            print(f"{name:22s} bs={bs:3d}: {tps:8.1f} tok/s  accept length {mal or 1:.2f}", flush=True)
+    params_bytes = sum(p.numel() * p.element_size() for p in base.engine.model.parameters())
+    bw = copy_bandwidth(args.device) if args.device.startswith("cuda") else None
+    plain1 = next(r for r in rows if r["config"] == "plain" and r["batch_size"] == 1)
+    payload = {"benchmark": "decode tokens/s: plain vs speculative (eager PyTorch, reference attention, no CUDA graphs)",
+               "environment": environment(), "device": args.device, "dtype": str(base.engine.dtype),
+               "model": args.model or "SmolLM2-135M-Instruct (default)", "draft": draft, "new_tokens": args.new_tokens,
+               "prompts": "EVAL_CHAT_PROMPTS + EVAL_CODE_PROMPTS (chat template), greedy, ignore_eos",
+               "tokens_per_s_definition": "batch_size * new_tokens / wall time of generate() (prefill included)",
+               "weight_bytes": params_bytes, "copy_bandwidth_bytes_per_s": bw,
+               "plain_bs1_roofline_fraction": (plain1["tokens_per_s"] * params_bytes / bw) if bw else None,
+               "results": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()

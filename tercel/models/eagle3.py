@@ -1,0 +1,305 @@
+"""EAGLE-3 draft head (SpecForge / SGLang export format) and EAGLE (v1/v2) heads, loaded from safetensors.
+
+EAGLE-3: the target's hidden states of a few layers (low / mid / high) are concatenated and projected
+by `fc` (n_aux * H_target -> H). One decoder layer (`midlayer`) takes [input_layernorm(embedding) ;
+hidden_norm(hidden)] (2H wide) into attention; its residual stream starts at `hidden`. The pre-norm
+output is the hidden state of the next draft step (no fc then); `norm` + `lm_head` give logits over
+the draft vocabulary, mapped to target ids by `d2t` (draft id -> target id offset).
+EAGLE (v1/v2): `fc` (with bias) over [embedding ; hidden] with the target's final normed hidden
+state, Llama layers (layer 0 without input_layernorm), logits from the target's lm_head, no norm.
+
+Checkpoint tensors (optionally prefixed with "model."):
+  EAGLE-3: fc.weight, midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight,
+           midlayer.self_attn.{q,k,v,o}_proj.weight, midlayer.mlp.{gate,up,down}_proj.weight,
+           norm.weight, lm_head.weight (absent when tie_word_embeddings), d2t, t2d, [embed_tokens.weight]
+  EAGLE:   fc.weight, fc.bias, layers.N.{self_attn,mlp,post_attention_layernorm,input_layernorm (N>0)}.*,
+           [embed_tokens.weight], [lm_head.weight: ignored, the target's head is used]
+Layer ids follow the convention of tercel.models.llama: id L is the OUTPUT of target layer L.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ConfigError, ModelConfig
+from ..kv import KVCacheSpec
+from .llama import MLP, Attention, RMSNorm
+from .rope import RotaryEmbedding, apply_rope
+
+EAGLE3_ARCHS = ("LlamaForCausalLMEagle3",)
+EAGLE_ARCHS = ("LlamaForCausalLMEagle",)
+
+# attention callback: (layer index, q [N, H, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, H * D]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def default_eagle3_layer_ids(num_target_layers: int) -> tuple[int, ...]:
+    """SGLang's default capture (no ids in the config): the streams ENTERING layers 2, L // 2 and
+    L - 3, i.e. the outputs of layers 1, L // 2 - 1 and L - 4."""
+    n = num_target_layers
+    return (1, n // 2 - 1, n - 4)
+
+
+@dataclass(slots=True, frozen=True)
+class EagleDraftConfig:
+    kind: str  # "eagle3" | "eagle"
+    layers: ModelConfig  # the draft decoder layers' shapes and RoPE
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...]  # EAGLE-3 only; EAGLE reads the target's final normed hidden
+    tie_word_embeddings: bool
+
+    @property
+    def fc_in(self) -> int:
+        return self.target_hidden_size * len(self.aux_layer_ids)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], target: ModelConfig, source: str) -> "EagleDraftConfig":
+        archs = d.get("architectures") or []
+        if any(a in EAGLE3_ARCHS for a in archs):
+            kind = "eagle3"
+        elif any(a in EAGLE_ARCHS for a in archs):
+            kind = "eagle"
+        else:
+            raise ConfigError(f"{source}: architectures={archs!r} is not an EAGLE draft; expected "
+                              f"{EAGLE3_ARCHS[0]!r} (EAGLE-3) or {EAGLE_ARCHS[0]!r} (EAGLE).")
+        layers = ModelConfig.from_hf_dict(dict(d, architectures=["LlamaForCausalLM"]), source)
+        vocab = int(d["vocab_size"])
+        if vocab != target.vocab_size:
+            raise ConfigError(f"{source}: draft vocab_size={vocab} but the target's vocabulary has "
+                              f"{target.vocab_size} tokens; this draft was trained for another target.")
+        target_hidden = int(d.get("target_hidden_size") or layers.hidden_size)
+        if target_hidden != target.hidden_size:
+            raise ConfigError(f"{source}: the draft expects target hidden size {target_hidden} "
+                              f"({'target_hidden_size' if 'target_hidden_size' in d else 'hidden_size'}), but the "
+                              f"target's hidden_size is {target.hidden_size}; this draft was trained for another target.")
+        tie = bool(d.get("tie_word_embeddings", False))
+        if kind == "eagle":
+            return cls(kind, layers, vocab, target_hidden, (), tie)
+        if layers.num_layers != 1:
+            raise ConfigError(f"{source}: num_hidden_layers={layers.num_layers}; only single-layer EAGLE-3 drafts "
+                              f"(one midlayer) are supported.")
+        draft_vocab = int(d.get("draft_vocab_size") or vocab)
+        if not 0 < draft_vocab <= vocab:
+            raise ConfigError(f"{source}: draft_vocab_size={draft_vocab} must be in 1..{vocab} (the target vocabulary).")
+        eagle_cfg = d.get("eagle_config") or {}
+        ids = eagle_cfg.get("eagle_aux_hidden_state_layer_ids")
+        ids = tuple(int(i) for i in ids) if ids else default_eagle3_layer_ids(target.num_layers)
+        bad = [i for i in ids if not 0 <= i < target.num_layers]
+        if bad:
+            raise ConfigError(f"{source}: eagle_aux_hidden_state_layer_ids {bad} are out of range for a "
+                              f"{target.num_layers}-layer target (valid 0..{target.num_layers - 1}); this draft was "
+                              f"trained for another target.")
+        return cls(kind, layers, draft_vocab, target_hidden, ids, tie)
+
+
+def attention(attn: Attention, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], attend: AttendFn) -> torch.Tensor:
+    """One attention block of a draft layer: fused qkv, RoPE, the caller's attention over its KV, o_proj."""
+    qkv = attn.qkv_proj(x)
+    t, heads = qkv.shape[0], attn.num_heads + attn.num_kv_heads
+    qk = apply_rope(qkv[:, :attn.q_size + attn.kv_size].view(t, heads, attn.head_dim), *cos_sin)
+    v = qkv[:, attn.q_size + attn.kv_size:].view(t, attn.num_kv_heads, attn.head_dim)
+    return attn.o_proj(attend(attn.layer, qk[:, :attn.num_heads], qk[:, attn.num_heads:], v))
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(dataclasses.replace(cfg, hidden_size=2 * cfg.hidden_size), 0)  # q/k/v read 2H
+        self.self_attn.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class EagleDraftModel(nn.Module):
+    """Both EAGLE kinds behind one interface: forward(ids, hidden, positions, attend, from_target)
+    returns the pre-norm hidden states; compute_logits gives draft-vocabulary logits; draft_to_target
+    maps draft ids to target ids (None: the draft vocabulary is the target's)."""
+
+    def __init__(self, cfg: EagleDraftConfig, max_positions: int, dtype: torch.dtype, has_embed: bool) -> None:
+        super().__init__()
+        self.config = cfg
+        lc = cfg.layers
+        self.hidden_size = lc.hidden_size
+        self.embed_tokens = nn.Embedding(lc.vocab_size, lc.hidden_size) if has_embed else None
+        self._target_embed: torch.Tensor | None = None
+        self._target_head: torch.Tensor | None = None
+        if cfg.kind == "eagle3":
+            self.fc = nn.Linear(cfg.fc_in, lc.hidden_size, bias=False)
+            self.midlayer = Eagle3Layer(lc)
+            self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
+            self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(lc.hidden_size, cfg.draft_vocab_size, bias=False)
+        else:
+            from .llama import DecoderLayer
+
+            self.fc = nn.Linear(2 * lc.hidden_size, lc.hidden_size, bias=True)
+            self.layers = nn.ModuleList(DecoderLayer(lc, i) for i in range(lc.num_layers))
+            self.layers[0].input_layernorm = None  # EAGLE skips the first layer's input norm
+        self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size), persistent=False)
+        self.rope = RotaryEmbedding(lc, max_positions, dtype)
+
+    @property
+    def num_layers(self) -> int:
+        return 1 if self.config.kind == "eagle3" else len(self.layers)
+
+    @property
+    def maps_vocab(self) -> bool:
+        return self.config.draft_vocab_size != self.config.layers.vocab_size
+
+    def kv_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        lc = self.config.layers
+        return KVCacheSpec(self.num_layers, lc.num_kv_heads, lc.head_dim, block_size, dtype)
+
+    def share_target(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+        """Use the target's embedding (when the checkpoint has none) and, for EAGLE, its lm_head."""
+        self._target_embed = embed
+        self._target_head = lm_head
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            return self.embed_tokens(ids)
+        return F.embedding(ids, self._target_embed)
+
+    def forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
+                from_target: bool) -> torch.Tensor:
+        """ids, positions: [N]; hidden: [N, fc_in] target aux states (from_target, EAGLE-3) or [N, H]."""
+        cos_sin = self.rope.lookup(positions)
+        emb = self.embed(ids).to(hidden.dtype)
+        if self.config.kind == "eagle3":
+            h = self.fc(hidden) if from_target else hidden
+            layer = self.midlayer
+            x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(h)], dim=-1)
+            h = h + attention(layer.self_attn, x, cos_sin, attend)
+            return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.fc(torch.cat([emb, hidden], dim=-1))
+        for layer in self.layers:
+            x = h if layer.input_layernorm is None else layer.input_layernorm(h)
+            h = h + attention(layer.self_attn, x, cos_sin, attend)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits (float32) from pre-norm hidden states."""
+        if self.config.kind == "eagle":
+            return F.linear(h, self._target_head).float()
+        head = self.lm_head.weight if self.lm_head is not None else (
+            self.embed_tokens.weight if self.embed_tokens is not None else self._target_embed)
+        return F.linear(self.norm(h), head).float()
+
+    # ---- weights -------------------------------------------------------------------------
+    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        cfg, lc = self.config, self.config.layers
+        params = dict(self.named_parameters())
+        q, kvs = lc.num_heads * lc.head_dim, lc.num_kv_heads * lc.head_dim
+        rows = {"qkv_proj": [q, kvs, kvs], "gate_up_proj": [lc.intermediate_size] * 2}
+        loaded: set[str] = set()
+        d2t = t2d = None
+        for name, t in tensors:
+            local = name.removeprefix("model.")
+            if local == "d2t":
+                d2t = t
+                continue
+            if local == "t2d":
+                t2d = t
+                continue
+            if cfg.kind == "eagle" and local in ("lm_head.weight", "layers.0.input_layernorm.weight"):
+                continue  # EAGLE uses the target's head and skips the first layer's input norm
+            shard = None
+            for piece, (fused, idx) in self._FUSED.items():
+                if f".{piece}." in local:
+                    local, shard = local.replace(f".{piece}.", f".{fused}."), (fused, idx, piece)
+                    break
+            if local not in params:
+                raise ConfigError(f"{source}: unexpected tensor {name!r} for an {cfg.kind.upper()} draft "
+                                  f"(no such parameter).")
+            target = params[local].data
+            key = local
+            if shard is not None:
+                fused, idx, piece = shard
+                start = sum(rows[fused][:idx])
+                target = target[start:start + rows[fused][idx]]
+                key = f"{local}#{piece}"
+            if tuple(target.shape) != tuple(t.shape):
+                hint = ""
+                if local == "fc.weight" and cfg.kind == "eagle3":
+                    hint = (f" (fc reads {len(cfg.aux_layer_ids)} aux layers x target hidden "
+                            f"{cfg.target_hidden_size} = {cfg.fc_in}: the draft and target do not match)")
+                raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected "
+                                  f"{tuple(target.shape)}{hint}.")
+            target.copy_(t.to(target.dtype))
+            loaded.add(key)
+        expected = set()
+        for p in params:
+            fused = next((f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in p), None)
+            if fused is None:
+                expected.add(p)
+            else:
+                pieces = ("q_proj", "k_proj", "v_proj") if fused == "qkv_proj" else ("gate_proj", "up_proj")
+                expected.update(f"{p}#{x}" for x in pieces)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ConfigError(f"{source}: missing tensors {[m.replace('#', ' <- ') for m in missing[:5]]} "
+                              f"({len(missing)} in all).")
+        if cfg.kind == "eagle3":
+            self._load_vocab_map(d2t, t2d, source)
+
+    def _load_vocab_map(self, d2t: torch.Tensor | None, t2d: torch.Tensor | None, source: str) -> None:
+        cfg = self.config
+        vd, v = cfg.draft_vocab_size, cfg.layers.vocab_size
+        if d2t is None:
+            if vd != v:
+                raise ConfigError(f"{source}: draft_vocab_size={vd} < vocab_size={v} but there is no 'd2t' tensor "
+                                  f"(draft id -> target id offsets).")
+            return
+        if tuple(d2t.shape) != (vd,):
+            raise ConfigError(f"{source}: 'd2t' has shape {tuple(d2t.shape)}, expected ({vd},) (draft_vocab_size).")
+        ids = d2t.long() + torch.arange(vd)
+        if int(ids.min()) < 0 or int(ids.max()) >= v:
+            raise ConfigError(f"{source}: 'd2t' maps draft ids outside the target vocabulary [0, {v}).")
+        if t2d is not None and tuple(t2d.shape) != (v,):
+            raise ConfigError(f"{source}: 't2d' has shape {tuple(t2d.shape)}, expected ({v},) (the target vocabulary).")
+        self.draft_to_target.copy_(ids.to(self.draft_to_target.device))
+
+
+def read_draft_config(path: str | Path, target: ModelConfig) -> EagleDraftConfig:
+    from ..loader import hf
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"draft model path {str(path)!r} is not a directory with config.json + *.safetensors.")
+    return EagleDraftConfig.from_dict(hf.hf_config(path), target, str(path / "config.json"))
+
+
+def load_eagle_draft(path: str | Path, target: ModelConfig, dtype: torch.dtype, device: torch.device,
+                     max_positions: int) -> EagleDraftModel:
+    """Load an EAGLE-3 or EAGLE draft directory (config.json + safetensors, never pickles) for `target`."""
+    from ..loader import hf
+
+    path = Path(path)
+    cfg = read_draft_config(path, target)
+    files = hf.safetensors_files(path)
+    names = set()
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            names.update(n.removeprefix("model.") for n in st.keys())
+    with torch.device("meta"):
+        model = EagleDraftModel(cfg, max_positions, dtype, has_embed="embed_tokens.weight" in names)
+    model = model.to(dtype).to_empty(device=device)
+    model.rope = RotaryEmbedding(cfg.layers, max_positions, dtype).to(device)
+    model.draft_to_target = torch.arange(cfg.draft_vocab_size, device=device)
+    model.load_weights(hf.iter_safetensors(files), str(path))
+    return model.eval().requires_grad_(False)

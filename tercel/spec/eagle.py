@@ -1,0 +1,269 @@
+"""EAGLE / EAGLE-3 drafting: the draft loop (chain or EAGLE-2 tree), and draft_extend.
+
+Draft KV lives in its own paged cache indexed by the TARGET's block tables (same block size and
+block count), so a request's draft KV for position p sits at the same slot as its target KV. The
+draft input at position p pairs the token at p + 1 with the target's hidden state at p, so the draft
+cache holds positions < num_computed_tokens, and the request's state (the draft's hidden state and
+logits at position num_computed_tokens - 1) predicts the token after the root.
+
+Draft loop for B requests, topk K, num_steps S: step 0 takes the top K of the state's logits
+(a chain at T > 0 samples instead, keeping q for rejection sampling); each further step runs the K
+current leaves through the draft at once (one forward for the batch) and expands each into its top
+K children, keeping the K best by cumulative probability as the next leaves. The tokens of this
+phase never enter the paged cache: their K/V sit in a small dense scratch, attended through an
+ancestor mask. At the end the num_draft_tokens - 1 best candidates (plus the root) form the tree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ..forward_batch import CaptureHiddenMode
+from ..kv import PagedKVCache
+from ..models.eagle3 import EagleDraftModel, load_eagle_draft
+from ..request import Request
+from ..sampling import filter_logits, sample_from_probs
+from .drafter import Drafter, ExtendedChunk
+from .tree import DraftTree, select_tree_nodes
+from .verify import Accepted
+
+if TYPE_CHECKING:
+    from ..engine import LLMEngine
+    from . import SpecConfig
+
+
+@dataclass(slots=True)
+class EagleState:
+    valid_for: int  # the request's num_computed_tokens this state belongs to
+    hidden: torch.Tensor  # [H] draft pre-norm hidden at position valid_for - 1
+    logits: torch.Tensor  # [Vd] draft logits there: the distribution of the token after the root
+
+
+class _PrefixAttention:
+    """Attention for a padded batch [B, W] of new draft rows over (a) each request's paged draft KV at
+    positions < start (the prefix) and (b) a dense block of this phase's rows, under a block mask.
+    New K/V are written to `write_slots` of the paged cache (slot 0, the dummy block, for padding)
+    and/or kept in the dense block."""
+
+    def __init__(self, cache: PagedKVCache, prefix_slots: torch.Tensor, prefix_valid: torch.Tensor,
+                 block_capacity: int, scale: float) -> None:
+        self.cache = cache
+        self.prefix_slots, self.prefix_valid = prefix_slots, prefix_valid
+        self.b = prefix_slots.shape[0]
+        self.capacity = block_capacity
+        self.scale = scale
+        self.block_k: dict[int, torch.Tensor] = {}
+        self.block_v: dict[int, torch.Tensor] = {}
+        self.prefix_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # set per call by the owner:
+        self.entries: torch.Tensor | None = None  # [W] block indices the new rows take
+        self.mask: torch.Tensor | None = None  # [B, W, capacity] which block entries each new row sees
+        self.write_slots: torch.Tensor | None = None  # [B * W] paged slots to write, or None
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b = self.b
+        w = q.shape[0] // b
+        if self.write_slots is not None:
+            self.cache.write(layer, self.write_slots, k, v)
+        if layer not in self.block_k:
+            shape = (b, self.capacity, k.shape[1], k.shape[2])
+            self.block_k[layer] = k.new_zeros(shape)
+            self.block_v[layer] = v.new_zeros(shape)
+            self.prefix_kv[layer] = (self.cache.k[layer][self.prefix_slots], self.cache.v[layer][self.prefix_slots])
+        bk, bv = self.block_k[layer], self.block_v[layer]
+        bk[:, self.entries] = k.view(b, w, *k.shape[1:])
+        bv[:, self.entries] = v.view(b, w, *v.shape[1:])
+        pk, pv = self.prefix_kv[layer]
+        keys = torch.cat([pk, bk], dim=1).transpose(1, 2)  # [B, Hkv, S + C, D]
+        values = torch.cat([pv, bv], dim=1).transpose(1, 2)
+        mask = torch.cat([self.prefix_valid[:, None, :].expand(b, w, -1), self.mask], dim=2)[:, None]
+        qb = q.view(b, w, q.shape[1], q.shape[2]).transpose(1, 2)  # [B, H, W, D]
+        out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b * w, -1)
+
+
+class EagleDrafter(Drafter):
+    capture_hidden_mode = CaptureHiddenMode.FULL
+
+    def __init__(self, engine: "LLMEngine", model: EagleDraftModel, num_steps: int, topk: int,
+                 num_draft_tokens: int) -> None:
+        self.engine = engine
+        self.model = model
+        self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
+        self.aux_layer_ids = model.config.aux_layer_ids
+        target = engine.model
+        model.share_target(target.embed_tokens.weight, target.lm_head_weight)
+        self.kv = PagedKVCache(model.kv_spec(engine.kv.block_size, engine.dtype), engine.kv.num_blocks, engine.device)
+        self.scale = model.config.layers.head_dim ** -0.5
+        self.vocab_size = engine.model_config.vocab_size
+
+    @classmethod
+    def load(cls, engine: "LLMEngine", cfg: "SpecConfig") -> "EagleDrafter":
+        model = load_eagle_draft(cfg.draft_model_path, engine.model_config, engine.dtype, engine.device,
+                                 engine.config.max_model_len)
+        want = "eagle3" if cfg.algorithm == "EAGLE3" else "eagle"
+        if model.config.kind != want:
+            from ..config import ConfigError
+
+            raise ConfigError(f"speculative_algorithm={cfg.algorithm} but {cfg.draft_model_path} is an "
+                              f"{model.config.kind.upper()} draft; pass --speculative-algorithm "
+                              f"{model.config.kind.upper()}.")
+        return cls(engine, model, cfg.num_steps, cfg.topk, cfg.num_draft_tokens)
+
+    def ready(self, req: Request) -> bool:
+        st = req.spec_state
+        return isinstance(st, EagleState) and st.valid_for == req.num_computed_tokens
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _prefix(self, reqs: list[Request], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Paged slots [B, S_max] of positions < lengths[i] (slot 0 where invalid) and their validity."""
+        dev, bs = self.engine.device, self.kv.block_size
+        s_max = max(lengths)
+        width = max(len(r.block_table) for r in reqs)
+        tables = torch.tensor([r.block_table + [0] * (width - len(r.block_table)) for r in reqs],
+                              dtype=torch.long, device=dev)
+        pos = torch.arange(s_max, device=dev)
+        valid = pos[None, :] < torch.tensor(lengths, device=dev)[:, None]
+        slots = tables[:, pos // bs] * bs + pos % bs if s_max else tables[:, :0]
+        return torch.where(valid, slots, torch.zeros_like(slots)), valid
+
+    def _slot(self, r: Request, pos: int) -> int:
+        bs = self.kv.block_size
+        return r.block_table[pos // bs] * bs + pos % bs
+
+    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.draft_to_target[draft_ids] if self.model.maps_vocab else draft_ids
+
+    # ---- draft_extend --------------------------------------------------------------------
+    def _extend(self, reqs: list[Request], starts: list[int], ids: list[list[int]], hidden: list[torch.Tensor],
+                width: int) -> None:
+        """Run the draft over rows [start, start + n) of each request (ids: the tokens at start+1 ..,
+        hidden: the target's states at start ..), padded to `width` rows, write their draft KV and set
+        each request's state from its last row."""
+        dev = self.engine.device
+        b = len(reqs)
+        max_pos = self.engine.config.max_model_len - 1
+        id_rows, pos_rows, slot_rows = [], [], []
+        h = hidden[0].new_zeros(b, width, hidden[0].shape[-1])
+        for i, (r, s, toks, hid) in enumerate(zip(reqs, starts, ids, hidden)):
+            n = len(toks)
+            id_rows.append(toks + [0] * (width - n))
+            pos_rows.append([min(s + j, max_pos) for j in range(width)])
+            slot_rows.append([self._slot(r, s + j) for j in range(n)] + [0] * (width - n))  # padding -> dummy slot
+            h[i, :n] = hid
+        prefix_slots, prefix_valid = self._prefix(reqs, starts)
+        attn = _PrefixAttention(self.kv, prefix_slots, prefix_valid, width, self.scale)
+        attn.entries = torch.arange(width, device=dev)
+        attn.mask = torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None].expand(b, -1, -1)
+        attn.write_slots = torch.tensor(slot_rows, dtype=torch.long, device=dev).view(-1)
+        out = self.model(torch.tensor(id_rows, device=dev).view(-1), h.view(b * width, -1),
+                         torch.tensor(pos_rows, device=dev).view(-1), attn, from_target=True)
+        last = torch.tensor([len(t) - 1 for t in ids], device=dev) + torch.arange(b, device=dev) * width
+        h_last = out[last]
+        logits = self.model.compute_logits(h_last)
+        for i, r in enumerate(reqs):
+            r.spec_state = EagleState(starts[i] + len(ids[i]), h_last[i], logits[i])
+
+    def after_extend(self, chunks: list[ExtendedChunk], hidden: torch.Tensor | None) -> None:
+        reqs = [c.request for c in chunks]
+        ids = [c.request.token_slice(c.start + 1, c.end + 1) for c in chunks]
+        rows = [hidden[c.row_offset:c.row_offset + c.end - c.start] for c in chunks]
+        self._extend(reqs, [c.start for c in chunks], ids, rows, max(c.end - c.start for c in chunks))
+        for c in chunks:  # a partial prefill chunk leaves no usable state
+            if c.end != c.request.num_tokens - 1:
+                c.request.spec_state = None
+
+    def after_verify(self, reqs: list[Request], trees: list[DraftTree], accepted: list[Accepted],
+                     row_offsets: list[int], hidden: torch.Tensor | None) -> None:
+        starts, ids, rows = [], [], []
+        for r, acc, off in zip(reqs, accepted, row_offsets):
+            k = len(acc.nodes)
+            start = r.num_computed_tokens - 1 - k  # the root's position
+            starts.append(start)
+            ids.append(r.token_slice(start + 1, start + k + 2))
+            rows.append(hidden[torch.tensor([off] + [off + j for j in acc.nodes], device=hidden.device)])
+        # a fixed width per request (num_draft_tokens): static shape, padding rows hit the dummy slot
+        self._extend(reqs, starts, ids, rows, self.num_draft_tokens)
+
+    # ---- the draft loop ------------------------------------------------------------------
+    def propose(self, reqs: list[Request]) -> list[DraftTree]:
+        dev = self.engine.device
+        b, k, steps = len(reqs), self.topk, self.num_steps
+        base = [r.num_computed_tokens for r in reqs]
+        hidden0 = torch.stack([r.spec_state.hidden for r in reqs])
+        logits0 = torch.stack([r.spec_state.logits for r in reqs])
+        sample_rows = [i for i, r in enumerate(reqs) if not r.params.greedy] if k == 1 else []
+        max_pos = self.engine.config.max_model_len - 1
+        cap = max(1, (steps - 1) * k)
+        prefix_slots, prefix_valid = self._prefix(reqs, base)
+        attn = _PrefixAttention(self.kv, prefix_slots, prefix_valid, cap, self.scale)
+        ancestors = torch.zeros(b, cap, cap, dtype=torch.bool, device=dev)
+
+        def pick(logits: torch.Tensor, qs: list[list[torch.Tensor | None]]) -> tuple[torch.Tensor, torch.Tensor]:
+            """top-k (scores, draft ids) of [B, K', Vd] logits; a chain's sampling rows draw instead."""
+            probs = logits.softmax(-1)
+            scores, idx = probs.topk(k, dim=-1)
+            for i in sample_rows:
+                r = reqs[i]
+                q_draft = filter_logits(logits[i, 0], r.params).softmax(-1)
+                d = sample_from_probs(q_draft, r.generator)
+                idx[i, 0, 0] = d
+                q = torch.zeros(self.vocab_size, dtype=torch.float32)
+                q[self._to_target(torch.arange(q_draft.numel(), device=dev)).cpu()] = q_draft.float().cpu()
+                qs[i].append(q)
+            for i in range(b):
+                if i not in sample_rows:
+                    qs[i].append(None)
+            return scores, idx
+
+        qs: list[list[torch.Tensor | None]] = [[] for _ in range(b)]
+        scores, idx = pick(logits0[:, None], qs)  # [B, 1, K]
+        leaf_scores, leaf_ids = scores[:, 0], idx[:, 0]  # [B, K]
+        leaf_tokens = self._to_target(leaf_ids)
+        cand_tokens, cand_scores, cand_parents = [leaf_tokens], [leaf_scores], [torch.full((b, k), -1, device=dev)]
+        leaf_cand = torch.arange(k, device=dev).expand(b, k)
+        leaf_hidden = hidden0[:, None].expand(b, k, -1)
+        parent_entry = None
+        n_cand = k
+        for step in range(1, steps):
+            entries = torch.arange((step - 1) * k, step * k, device=dev)
+            rows = torch.arange(b, device=dev)[:, None]
+            if parent_entry is None:
+                ancestors[:, entries, entries] = True
+            else:
+                ancestors[:, entries] = ancestors[rows, parent_entry]
+                ancestors[:, entries, entries] = True
+            attn.entries, attn.mask, attn.write_slots = entries, ancestors[:, entries], None
+            pos = torch.tensor([min(p + step - 1, max_pos) for p in base], device=dev)[:, None].expand(b, k)
+            h_out = self.model(leaf_tokens.reshape(-1), leaf_hidden.reshape(b * k, -1), pos.reshape(-1), attn,
+                               from_target=False).view(b, k, -1)
+            logits = self.model.compute_logits(h_out)  # [B, K, Vd]
+            child_scores, child_ids = pick(logits, qs)  # [B, K, K]
+            cum = (leaf_scores[:, :, None] * child_scores).view(b, k * k)
+            tokens = self._to_target(child_ids).view(b, k * k)
+            cand_tokens.append(tokens)
+            cand_scores.append(cum)
+            cand_parents.append(leaf_cand[:, :, None].expand(b, k, k).reshape(b, k * k))
+            best = cum.topk(k, dim=-1).indices  # [B, K]: the next leaves
+            parent_leaf = best // k
+            leaf_hidden = h_out[rows, parent_leaf]
+            parent_entry = entries[parent_leaf]
+            leaf_tokens = tokens.gather(1, best)
+            leaf_scores = cum.gather(1, best)
+            leaf_cand = n_cand + best
+            n_cand += k * k
+        all_tokens = torch.cat(cand_tokens, 1).tolist()
+        all_scores = torch.cat(cand_scores, 1).float().cpu()
+        all_parents = torch.cat(cand_parents, 1).cpu()
+        trees = []
+        for i, r in enumerate(reqs):
+            root = r.prompt_token_ids[-1] if not r.output_token_ids else r.output_token_ids[-1]
+            if k == 1:
+                trees.append(DraftTree.chain(root, all_tokens[i], qs[i] if i in sample_rows else None))
+                continue
+            kept, parents = select_tree_nodes(all_scores[i], all_parents[i], self.num_draft_tokens - 1)
+            trees.append(DraftTree([root] + [all_tokens[i][c] for c in kept], [-1] + parents))
+        return trees

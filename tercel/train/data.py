@@ -1,0 +1,217 @@
+"""Self-distillation data for draft training, built offline (no downloads); shared by every draft
+trainer (EAGLE-3 here, DFlash later).
+
+1. build_prompts: chat prompts from text on this machine: Python stdlib source (functions and
+   their docstrings, read with `ast`, never imported), installed packages' descriptions (their
+   METADATA / README text under site-packages), and generic chat topics.
+2. generate_responses: the TARGET writes the answers, with Tercel's own engine, in large batches.
+3. Dataset (prompt/response token ids) saves to / loads from a .pt of int tensors (weights_only).
+4. target_features: one dense causal forward of the target over padded batches, returning the
+   hidden states of chosen layers and the final normed hidden state (for logits of any vocab subset).
+"""
+from __future__ import annotations
+
+import ast
+import random
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..models.llama import LlamaForCausalLM
+from ..models.rope import apply_rope
+
+# Held-out evaluation prompts must never be trained on (benchmarks/spec_accept.py uses these).
+EVAL_CHAT_PROMPTS = [
+    "Tell me about the ocean.", "What is the capital of France?", "Write a short poem about autumn leaves.",
+    "Explain what a hash table is in two sentences.", "Give me three tips for learning to cook.",
+    "Why is the sky blue?", "What are the planets of the solar system?", "How do vaccines work?",
+    "Describe a typical day of a lighthouse keeper.", "What should I pack for a weekend hiking trip?",
+]
+EVAL_CODE_PROMPTS = [
+    "Write a Python function that reverses a string.", "Write a Python function that checks whether a number is prime.",
+    "Write a Python class for a stack with push, pop and peek.", "Explain what a Python list comprehension is, with an example.",
+    "Write a Python function that counts the words in a text file.", "Write a SQL query that finds the ten most recent orders.",
+    "Write a Python function that merges two sorted lists.", "How do I read a CSV file in Python?",
+    "Write a JavaScript function that debounces another function.", "Write a Python function for binary search.",
+]
+
+_TOPICS = [
+    "the ocean", "volcanoes", "the history of Rome", "black holes", "photosynthesis", "the French Revolution",
+    "machine learning", "honey bees", "the water cycle", "climate change", "the Moon landing", "coffee",
+    "chess", "the human heart", "electric cars", "the Great Wall of China", "jazz music", "the Internet",
+    "renewable energy", "dinosaurs", "the Olympic Games", "rainforests", "earthquakes", "the stock market",
+    "ancient Egypt", "penguins", "gravity", "the printing press", "vitamins", "cloud computing", "bread baking",
+    "the Renaissance", "DNA", "hurricanes", "the solar system", "friendship", "time management", "public speaking",
+    "gardening", "the immune system", "sleep", "meditation", "recycling", "databases", "compilers", "encryption",
+    "operating systems", "the piano", "football", "tea", "mountains", "deserts", "rivers", "bicycles", "trains",
+]
+_CHAT_TEMPLATES = [
+    "Tell me about {t}.", "Explain {t} to a ten-year-old.", "Write a short poem about {t}.",
+    "Give me three interesting facts about {t}.", "What are the pros and cons of {t}?",
+    "Write a short story that involves {t}.", "Summarize the most important ideas about {t}.",
+    "What questions should I ask to learn more about {t}?", "Write a haiku about {t}.",
+    "How would you describe {t} in one paragraph?",
+]
+
+
+@dataclass(slots=True)
+class Sample:
+    prompt: list[int]
+    response: list[int]
+
+
+def _stdlib_functions(limit: int, rng: random.Random) -> list[tuple[str, str, str, str]]:
+    """(module, name, source, docstring) of documented stdlib functions/classes, read with ast."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if not p.name.startswith("_"))
+    files += sorted(p for p in root.glob("*/*.py") if "test" not in p.parts[-2] and not p.name.startswith("_"))
+    rng.shuffle(files)
+    out = []
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                doc = ast.get_docstring(node)
+                src = ast.get_source_segment(text, node)
+                if doc and src and 80 < len(src) < 1500:
+                    out.append((f.stem, node.name, src, doc))
+        if len(out) >= limit:
+            break
+    return out
+
+
+def _package_paragraphs(limit: int) -> list[str]:
+    """Paragraphs of installed packages' descriptions (METADATA bodies are their READMEs)."""
+    paras: list[str] = []
+    for site in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        for meta in sorted(Path(site).glob("*.dist-info/METADATA")):
+            try:
+                body = meta.read_text(encoding="utf-8", errors="ignore").split("\n\n", 1)[-1]
+            except OSError:
+                continue
+            for p in body.split("\n\n"):
+                p = p.strip()
+                if 200 < len(p) < 1200 and not p.startswith(("```", "|", "<", "[!", "..")) and p.count("http") < 2:
+                    paras.append(p)
+            if len(paras) >= limit:
+                return paras
+    return paras
+
+
+def build_prompts(n: int, seed: int = 0) -> list[str]:
+    """About n distinct chat prompts (user messages) from offline text; the eval prompts are excluded."""
+    rng = random.Random(seed)
+    prompts: list[str] = []
+    for mod, name, src, doc in _stdlib_functions(n, rng):
+        first = doc.strip().split("\n")[0].rstrip(".")
+        kind = rng.random()
+        if kind < 0.4:
+            prompts.append(f"Explain what this Python code does:\n\n```python\n{src}\n```")
+        elif kind < 0.7 and first:
+            prompts.append(f"Write a Python function called `{name}`. Its documentation says: {first}.")
+        elif kind < 0.85:
+            prompts.append(f"What is `{name}` in Python's `{mod}` module used for? Give an example.")
+        else:
+            prompts.append(f"Write a docstring and a short usage example for this code:\n\n```python\n{src}\n```")
+    for para in _package_paragraphs(n // 3):
+        prompts.append(rng.choice([
+            "Summarize the following text in a few sentences:\n\n{p}", "Explain this in simple terms:\n\n{p}",
+            "What are the key points of this text?\n\n{p}", "Rewrite this text to be shorter and clearer:\n\n{p}",
+        ]).format(p=para))
+    for t in _TOPICS:
+        for tmpl in _CHAT_TEMPLATES:
+            prompts.append(tmpl.format(t=t))
+    held_out = set(EVAL_CHAT_PROMPTS) | set(EVAL_CODE_PROMPTS)
+    prompts = sorted({p for p in prompts if p not in held_out})
+    rng.shuffle(prompts)
+    return prompts[:n]
+
+
+def generate_responses(llm, prompts: list[str], max_new_tokens: int, temperature: float = 0.0,
+                       seed: int = 0, use_tqdm: bool = True, wave: int = 4096,
+                       time_budget_s: float | None = None) -> list[Sample]:
+    """The target answers the prompts (chat template applied) with Tercel's engine, `wave` requests
+    at a time (the scheduler batches them); stops starting waves once time_budget_s has passed.
+    Token ids only: detokenization is skipped for speed."""
+    import time
+
+    from ..sampling_params import SamplingParams
+
+    tok = llm.tokenizer
+    limit = llm.engine.config.max_model_len - max_new_tokens
+    ids = [x for x in (tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts) if len(x) < limit]
+    engine = llm.engine
+    saved, engine.tokenizer = engine.tokenizer, None
+    samples: list[Sample] = []
+    start = time.perf_counter()
+    try:
+        for w in range(0, len(ids), wave):
+            if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+                break
+            chunk = ids[w:w + wave]
+            params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + w + i)
+                      for i in range(len(chunk))]
+            outs = llm.generate(chunk, params, use_tqdm=use_tqdm)
+            samples += [Sample(p, o.outputs[0].token_ids) for p, o in zip(chunk, outs)]
+    finally:
+        engine.tokenizer = saved
+    return samples
+
+
+def save_samples(samples: list[Sample], path: str | Path) -> None:
+    torch.save({"prompts": [torch.tensor(s.prompt, dtype=torch.int32) for s in samples],
+                "responses": [torch.tensor(s.response, dtype=torch.int32) for s in samples]}, str(path))
+
+
+def load_samples(path: str | Path) -> list[Sample]:
+    d = torch.load(str(path), weights_only=True)
+    return [Sample(p.tolist(), r.tolist()) for p, r in zip(d["prompts"], d["responses"])]
+
+
+def pack_batch(samples: list[Sample], max_len: int, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids [B, T], valid [B, T] and response mask [B, T] (True on response tokens)."""
+    seqs = [(s.prompt + s.response)[:max_len] for s in samples]
+    t = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), t), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(seqs), t, dtype=torch.bool)
+    resp = torch.zeros(len(seqs), t, dtype=torch.bool)
+    for i, (s, seq) in enumerate(zip(samples, seqs)):
+        ids[i, :len(seq)] = torch.tensor(seq)
+        valid[i, :len(seq)] = True
+        resp[i, len(s.prompt):len(seq)] = True
+    return ids, valid, resp
+
+
+@torch.no_grad()
+def target_features(model: LlamaForCausalLM, ids: torch.Tensor, layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense causal forward of the target over right-padded ids [B, T] (no KV cache, no sliding
+    window). Returns (outputs of `layer_ids` concatenated [B, T, n * H], final normed hidden [B, T, H])."""
+    b, t = ids.shape
+    h = model.embed_tokens(ids)
+    cos, sin = model.rope.cos[:t][:, None, :], model.rope.sin[:t][:, None, :]
+    aux = []
+    for i, layer in enumerate(model.layers):
+        at = layer.self_attn
+        x = layer.input_layernorm(h)
+        qkv = at.qkv_proj(x)
+        heads = at.num_heads + at.num_kv_heads
+        qk = qkv[..., :at.q_size + at.kv_size].view(b, t, heads, at.head_dim)
+        v = qkv[..., at.q_size + at.kv_size:].view(b, t, at.num_kv_heads, at.head_dim)
+        if at.q_norm is not None:
+            qk = torch.cat([at.q_norm(qk[:, :, :at.num_heads]), at.k_norm(qk[:, :, at.num_heads:])], dim=2)
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, :, :at.num_heads].transpose(1, 2), qk[:, :, at.num_heads:].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        h = h + at.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if i in layer_ids:
+            aux.append(h)
+    # ascending layer order, like the engine's capture (LlamaForCausalLM.forward) and SGLang's
+    return torch.cat(aux, dim=-1), model.norm(h)

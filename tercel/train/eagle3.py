@@ -1,0 +1,272 @@
+"""EAGLE-3 draft training by self-distillation, with the training-time test (TTT).
+
+Data: the target answers offline prompts (tercel.train.data); the draft learns the target's own
+next-token distributions (soft labels over the draft vocabulary) on the response tokens.
+Draft vocabulary: the draft_vocab_size most frequent response tokens (d2t / t2d in the export).
+
+TTT unrolls `ttt_steps` draft steps as in decoding. Row i at step 0 pairs token x[i+1] with the
+target's hidden state at i (through fc) and predicts x[i+2]. At step j the same row takes token
+x[i+1+j] and the draft's OWN hidden state from step j-1 (what it will see when drafting), at RoPE
+position i + j, and predicts x[i+2+j]. Its attention sees the step-0 keys of rows <= i (the paged
+context at inference) and its own keys of steps 1..j at row i (the draft tokens of the chain): the
+same pattern as the engine's draft loop. Losses are weighted 0.8^j.
+
+Resumable: the dataset (data.pt) and a checkpoint (checkpoint.pt: weights, optimizer, step, elapsed
+time; loaded with weights_only) live in the output directory; a rerun continues from them. The
+result is written in the SpecForge / SGLang format (config.json + model.safetensors).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..models.eagle3 import EagleDraftConfig, EagleDraftModel, default_eagle3_layer_ids
+from ..models.rope import apply_rope
+from .data import Sample, build_prompts, generate_responses, load_samples, pack_batch, save_samples, target_features
+from .export import eagle3_config_dict, eagle3_tensors, save_eagle3
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Eagle3TrainConfig:
+    out: str
+    target: str | None = None  # HF dir / GGUF; None: the default model
+    device: str = "auto"
+    num_prompts: int = 4096
+    max_new_tokens: int = 256
+    gen_temperature: float = 0.0
+    gen_max_num_seqs: int = 512
+    gen_time_budget_s: float | None = None  # stop starting generation waves after this many seconds
+    max_len: int = 512  # prompt + response tokens per training sequence
+    draft_vocab_size: int = 4096
+    intermediate_size: int | None = None  # draft MLP width (default: the target's)
+    aux_layer_ids: tuple[int, ...] | None = None  # default: SGLang's low / mid / high
+    ttt_steps: int = 6
+    batch_size: int = 32
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    max_steps: int = 2000
+    time_budget_s: float | None = None  # stop training after this many seconds (the lr schedule follows)
+    save_every: int = 200
+    seed: int = 0
+    export_dtype: str = "bfloat16"
+    extra: dict = field(default_factory=dict)
+
+
+def choose_draft_vocab(samples: list[Sample], size: int, vocab_size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
+    """The `size` most frequent response tokens (plus `always`, e.g. EOS), as sorted target ids."""
+    counts = Counter(t for s in samples for t in s.response)
+    ids = list(dict.fromkeys([*always, *(t for t, _ in counts.most_common())]))[:size]
+    if len(ids) < size:  # pad with the lowest unused ids so the vocabulary has exactly `size` entries
+        used = set(ids)
+        ids += [t for t in range(vocab_size) if t not in used][:size - len(ids)]
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    return x if group == 1 else x.repeat_interleave(group, dim=1)
+
+
+def ttt_loss(model: EagleDraftModel, embed: torch.Tensor, aux: torch.Tensor, target_probs: torch.Tensor,
+             ids: torch.Tensor, label_mask: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[float]]:
+    """aux: [B, T, fc_in] target aux states; target_probs: [B, T, Vd] target distribution predicting
+    token t + 1 at row t; label_mask: [B, T] rows whose token is a trainable label. Returns the
+    weighted loss and per-step top-1 accuracy."""
+    b, t = ids.shape
+    layer, at = model.midlayer, model.midlayer.self_attn
+    hq, hkv, d = at.num_heads, at.num_kv_heads, at.head_dim
+    scale = d ** -0.5
+    causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
+    h = model.fc(aux)
+    k0 = v0 = None
+    diag_k: list[torch.Tensor] = []
+    diag_v: list[torch.Tensor] = []
+    total = aux.new_zeros((), dtype=torch.float32)
+    accs = []
+    for j in range(steps):
+        inp = F.pad(ids[:, 1 + j:], (0, 1 + j))
+        emb = F.embedding(inp, embed).to(h.dtype)
+        x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(h)], dim=-1)
+        qkv = at.qkv_proj(x)
+        qk = qkv[..., :at.q_size + at.kv_size].view(b, t, hq + hkv, d)
+        v = qkv[..., at.q_size + at.kv_size:].view(b, t, hkv, d).transpose(1, 2)
+        cos, sin = model.rope.cos[j:j + t][:, None, :], model.rope.sin[j:j + t][:, None, :]
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:].transpose(1, 2)  # [B, H, T, D]
+        if j == 0:
+            k0, v0 = _repeat_kv(k, hq // hkv), _repeat_kv(v, hq // hkv)
+            o = F.scaled_dot_product_attention(q, k0, v0, is_causal=True)
+        else:
+            diag_k.append(_repeat_kv(k, hq // hkv))
+            diag_v.append(_repeat_kv(v, hq // hkv))
+            s0 = (q @ k0.transpose(-1, -2)) * scale
+            s0 = s0.masked_fill(~causal, float("-inf"))
+            sd = torch.stack([(q * kk).sum(-1) for kk in diag_k], dim=-1) * scale  # [B, H, T, j]
+            w = torch.cat([s0, sd], dim=-1).float().softmax(-1).to(q.dtype)
+            o = w[..., :t] @ v0 + (w[..., t:, None] * torch.stack(diag_v, dim=-2)).sum(-2)
+        h = h + at.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits = model.compute_logits(h)  # [B, T, Vd] float32
+        tgt = F.pad(target_probs[:, 1 + j:], (0, 0, 0, 1 + j))  # row i: target at i + 1 + j
+        mask = F.pad(label_mask[:, 2 + j:], (0, 2 + j))  # row i: label token x[i + 2 + j]
+        n = mask.sum().clamp_min(1)
+        ce = -(tgt * logits.log_softmax(-1)).sum(-1)
+        total = total + (0.8 ** j) * (ce * mask).sum() / n
+        with torch.no_grad():
+            accs.append(float(((logits.argmax(-1) == tgt.argmax(-1)) & mask).sum() / n))
+    return total, accs
+
+
+class Eagle3Trainer:
+    def __init__(self, cfg: Eagle3TrainConfig) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+
+    def _load_target(self):
+        from ..llm import LLM
+
+        cfg = self.cfg
+        return LLM(cfg.target, device=cfg.device, max_model_len=max(cfg.max_len + cfg.ttt_steps + 8, 1024),
+                   max_num_seqs=cfg.gen_max_num_seqs, max_num_batched_tokens=max(8192, cfg.gen_max_num_seqs * 4),
+                   progress=False)
+
+    def dataset(self, llm) -> list[Sample]:
+        path = self.out / "data.pt"
+        if path.is_file():
+            return load_samples(path)
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        prompts = build_prompts(cfg.num_prompts, cfg.seed)
+        samples = generate_responses(llm, prompts, cfg.max_new_tokens, cfg.gen_temperature, cfg.seed,
+                                     wave=2 * cfg.gen_max_num_seqs, time_budget_s=cfg.gen_time_budget_s)
+        save_samples(samples, path)
+        n_tok = sum(len(s.response) for s in samples)
+        log.info("generated %d responses (%d tokens) in %.0f s", len(samples), n_tok, time.perf_counter() - t0)
+        return samples
+
+    def build_draft(self, llm, draft_ids: torch.Tensor) -> EagleDraftModel:
+        cfg, target = self.cfg, llm.engine.model
+        tcfg = llm.engine.model_config
+        ids = cfg.aux_layer_ids or default_eagle3_layer_ids(tcfg.num_layers)
+        self.config_dict = eagle3_config_dict(tcfg, draft_vocab_size=len(draft_ids), aux_layer_ids=tuple(ids),
+                                              intermediate_size=cfg.intermediate_size)
+        dcfg = EagleDraftConfig.from_dict(self.config_dict, tcfg, "train")
+        g = torch.Generator().manual_seed(cfg.seed)
+        model = EagleDraftModel(dcfg, cfg.max_len + cfg.ttt_steps + 8, torch.float32, has_embed=False)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 1:
+                    p.fill_(1.0)
+                else:
+                    p.copy_(0.02 * torch.randn(p.shape, generator=g))
+            # start from the target's own read-out: fc passes the highest aux layer through, and the
+            # head is the target's head restricted to the draft vocabulary
+            h = tcfg.hidden_size
+            model.fc.weight.mul_(0.1)
+            model.fc.weight[:, -h:] += torch.eye(h)
+            model.lm_head.weight.copy_(target.lm_head_weight[draft_ids.to(target.lm_head_weight.device)].float().cpu())
+            model.norm.weight.copy_(target.norm.weight.float().cpu())
+        model.draft_to_target = draft_ids.clone()
+        return model.to(llm.engine.device)
+
+    def train(self) -> Path:
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        llm = self._load_target()
+        eng = llm.engine
+        dev = eng.device
+        samples = [s for s in self.dataset(llm) if len(s.response) > 2]
+        if not samples:
+            raise ValueError("no usable training samples were generated.")
+        tcfg = eng.model_config
+        draft_ids = choose_draft_vocab(samples, cfg.draft_vocab_size, tcfg.vocab_size, tuple(eng.eos_token_ids))
+        model = self.build_draft(llm, draft_ids)
+        target = eng.model
+        embed = target.embed_tokens.weight
+        head_rows = target.lm_head_weight[draft_ids.to(dev)]
+        in_vocab = torch.zeros(tcfg.vocab_size, dtype=torch.bool, device=dev)
+        in_vocab[draft_ids.to(dev)] = True
+        layer_ids = tuple(sorted(model.config.aux_layer_ids))
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        ckpt_path = self.out / "checkpoint.pt"
+        step, elapsed = 0, 0.0
+        if ckpt_path.is_file():
+            ck = torch.load(str(ckpt_path), weights_only=True, map_location=dev)
+            if torch.equal(ck["draft_ids"].cpu(), draft_ids):
+                model.load_state_dict(ck["model"], strict=False)
+                opt.load_state_dict(ck["opt"])
+                step, elapsed = int(ck["step"]), float(ck["elapsed"])
+                log.info("resumed from %s at step %d", ckpt_path, step)
+        coverage = sum(in_vocab[torch.tensor(s.response, device=dev)].sum().item() for s in samples) / \
+            max(1, sum(len(s.response) for s in samples))
+        amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+        rng = random.Random(cfg.seed + step)
+        # length-sorted buckets keep padding low
+        order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt) + len(samples[i].response))
+        batches = [order[i:i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
+        bar = tqdm(total=cfg.max_steps, initial=step, desc="train eagle3", unit="step")
+        start = time.perf_counter() - elapsed
+        history = []
+        while step < cfg.max_steps:
+            elapsed = time.perf_counter() - start
+            if cfg.time_budget_s is not None and elapsed >= cfg.time_budget_s:
+                break
+            progress = max(step / cfg.max_steps, elapsed / cfg.time_budget_s if cfg.time_budget_s else 0.0)
+            lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            batch = [samples[i] for i in rng.choice(batches)]
+            ids, valid, resp = pack_batch(batch, cfg.max_len)
+            ids, valid, resp = ids.to(dev), valid.to(dev), resp.to(dev)
+            with torch.no_grad(), amp:
+                aux, final = target_features(target, ids, layer_ids)
+                probs = F.linear(final, head_rows).float().softmax(-1)
+            label_mask = resp & valid & in_vocab[ids]
+            with amp:
+                loss, accs = ttt_loss(model, embed, aux.float() if dev.type != "cuda" else aux, probs, ids,
+                                      label_mask, cfg.ttt_steps)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{accs[0]:.2f}", accN=f"{accs[-1]:.2f}", lr=f"{lr:.1e}")
+            if step % 50 == 0:
+                history.append({"step": step, "loss": round(loss.item(), 4), "acc": [round(a, 3) for a in accs],
+                                "elapsed_s": round(time.perf_counter() - start, 1)})
+            if step % cfg.save_every == 0:
+                self._checkpoint(ckpt_path, model, opt, step, time.perf_counter() - start, draft_ids)
+                self.export(model, draft_ids, tcfg.vocab_size, step, history, coverage, len(samples))
+        bar.close()
+        self._checkpoint(ckpt_path, model, opt, step, time.perf_counter() - start, draft_ids)
+        return self.export(model, draft_ids, tcfg.vocab_size, step, history, coverage, len(samples))
+
+    def _checkpoint(self, path: Path, model, opt, step: int, elapsed: float, draft_ids: torch.Tensor) -> None:
+        tmp = path.with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
+                    "draft_ids": draft_ids}, str(tmp))
+        tmp.replace(path)
+
+    def export(self, model, draft_ids, vocab_size, step, history, coverage, num_samples) -> Path:
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[self.cfg.export_dtype]
+        meta = {"trained_by": "tercel train-draft", "steps": str(step), "draft_vocab_coverage": f"{coverage:.4f}",
+                "num_samples": str(num_samples)}
+        save_eagle3(self.out, self.config_dict, eagle3_tensors(model, draft_ids, vocab_size, dtype), meta)
+        (self.out / "train_log.json").write_text(json.dumps(
+            {"config": {k: v for k, v in asdict(self.cfg).items()}, "steps": step, "coverage": coverage,
+             "num_samples": num_samples, "history": history}, indent=1, default=str))
+        return self.out
