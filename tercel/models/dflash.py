@@ -158,25 +158,27 @@ class DFlashDraftModel(nn.Module):
 
     def forward_dense(self, target_hidden: torch.Tensor, anchors: torch.Tensor, block_embeds: torch.Tensor
                       ) -> torch.Tensor:
-        """Training form, no cache: one sequence's context and m blocks at once.
-        target_hidden: [T, n_aux * H] for positions 0..T-1; anchors: [m] block start positions (block i
-        sees context positions < anchors[i], and its own block non-causally); block_embeds: [m, S, H].
-        Returns the normed hidden states [m, S, H]."""
-        m, s, _ = block_embeds.shape
-        t = target_hidden.shape[0]
+        """Training form, no cache: N sequences' contexts and m blocks each, at once.
+        target_hidden: [N, T, n_aux * H] for positions 0..T-1; anchors: [N, m] block start positions
+        (a block sees its sequence's context before its anchor, and its own block non-causally);
+        block_embeds: [N, m, S, H]. Returns the normed hidden states [N, m, S, H]."""
+        n, m, s, hsz = block_embeds.shape
+        t = target_hidden.shape[1]
         dev = block_embeds.device
-        ctx = self.hidden_norm(self.fc(target_hidden))
-        ctx_cos, ctx_sin = self.rope.lookup(torch.arange(t, device=dev))
-        positions = anchors[:, None] + torch.arange(s, device=dev)[None, :]
+        ctx = self.hidden_norm(self.fc(target_hidden)).reshape(n * t, hsz)
+        ctx_cos, ctx_sin = self.rope.lookup(torch.arange(t, device=dev).repeat(n))
+        positions = anchors[..., None] + torch.arange(s, device=dev)  # [N, m, S]
         cos, sin = self.rope.lookup(positions.reshape(-1))
-        ctx_mask = torch.arange(t, device=dev)[None, :] < anchors[:, None]  # [m, T]
-        h = block_embeds
+        ctx_mask = (torch.arange(t, device=dev) < anchors[..., None]).reshape(n * m, t)
+        h = block_embeds.reshape(n * m, s, hsz)
         for layer in self.layers:
-            k, v = layer.self_attn.kv(ctx, ctx_cos, ctx_sin)
-            ctx_k, ctx_v = k[None].expand(m, -1, -1, -1), v[None].expand(m, -1, -1, -1)
+            k, v = layer.self_attn.kv(ctx, ctx_cos, ctx_sin)  # [N*T, Hkv, D]
+            shape = (n, 1, t) + k.shape[1:]
+            ctx_k = k.view(shape).expand(n, m, *shape[2:]).reshape(n * m, t, *k.shape[1:])
+            ctx_v = v.view(shape).expand(n, m, *shape[2:]).reshape(n * m, t, *v.shape[1:])
             h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, ctx_k, ctx_v, ctx_mask)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
+        return self.norm(h).view(n, m, s, hsz)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         params = dict(self.named_parameters())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -32,7 +33,7 @@ class DFlashTrainConfig:
     num_layers: int = 2
     intermediate_size: int = 768
     target_layer_ids: tuple[int, ...] | None = None  # default: spread like the reference, 3 layers
-    mask_token_id: int = 0
+    mask_token_id: int | None = None  # None: run_training picks one the chat template never produces
     anchors_per_sequence: int = 16
     sequences_per_step: int = 16
     steps: int = 1000
@@ -46,6 +47,8 @@ class DFlashTrainConfig:
 
 
 def draft_config_dict(target: ModelConfig, cfg: DFlashTrainConfig) -> dict:
+    if cfg.mask_token_id is None:
+        raise ValueError("DFlashTrainConfig.mask_token_id is not set: pick a token the chat template never produces.")
     ids = tuple(sorted(cfg.target_layer_ids or default_target_layer_ids(target.num_layers, 3)))
     return {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
@@ -60,31 +63,36 @@ def draft_config_dict(target: ModelConfig, cfg: DFlashTrainConfig) -> dict:
     }
 
 
-def _block_loss(draft: DFlashDraftModel, target: LlamaForCausalLM, seq: torch.Tensor, hidden: torch.Tensor,
-                anchors: torch.Tensor, cfg: DFlashTrainConfig, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_loss(draft: DFlashDraftModel, target: LlamaForCausalLM, seqs: torch.Tensor, lengths: torch.Tensor,
+                hidden: torch.Tensor, anchors: torch.Tensor, cfg: DFlashTrainConfig,
+                weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """seqs: [N, T] padded ids; lengths: [N]; hidden: [N, T, n_aux * H]; anchors: [N, m].
+    Returns the weighted loss and the per-position accuracy [S - 1]."""
     s = cfg.block_size
-    t = seq.shape[0]
-    offs = torch.arange(s, device=seq.device)
-    idx = anchors[:, None] + offs[None, :]  # [m, S]
-    block = torch.full_like(idx, cfg.mask_token_id)
-    block[:, 0] = seq[anchors]
-    labels = torch.where(idx < t, seq[idx.clamp(max=t - 1)], torch.full_like(idx, -100))[:, 1:]
+    idx = anchors[..., None] + torch.arange(s, device=seqs.device)  # [N, m, S]
+    inside = idx < lengths[:, None, None]
+    tokens = seqs.gather(1, idx.clamp(max=seqs.shape[1] - 1).flatten(1)).view(idx.shape)
+    block = torch.full_like(tokens, cfg.mask_token_id)
+    block[..., 0] = tokens[..., 0]
+    labels = torch.where(inside, tokens, torch.full_like(tokens, -100))[..., 1:]
     embeds = target.embed_tokens(block).detach()
-    h = draft.forward_dense(hidden, anchors, embeds)[:, 1:]  # [m, S-1, H]
+    h = draft.forward_dense(hidden, anchors, embeds)[:, :, 1:]  # [N, m, S-1, H]
     logits = target.compute_logits(h)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
                          reduction="none").view(labels.shape)
     valid = (labels != -100).float()
-    w = weights[None, :] * valid
-    hits = ((logits.argmax(-1) == labels).float() * valid)
-    return (ce * w).sum() / w.sum().clamp_min(1.0), hits.sum(0) / valid.sum(0).clamp_min(1.0)
+    w = weights * valid
+    hits = (logits.argmax(-1) == labels).float() * valid
+    return (ce * w).sum() / w.sum().clamp_min(1.0), hits.sum((0, 1)) / valid.sum((0, 1)).clamp_min(1.0)
 
 
 def train_dflash(target: LlamaForCausalLM, data: list[Sample], out_dir: str | Path,
                  cfg: DFlashTrainConfig, device: torch.device, progress: bool = True,
-                 autocast_dtype: torch.dtype | None = None, stop_after: int | None = None) -> Path:
+                 autocast_dtype: torch.dtype | None = None, stop_after: int | None = None,
+                 time_budget_s: float | None = None) -> Path:
     """Train (resuming from out_dir/trainer_state.pt when present) and write the z-lab format.
-    stop_after: end this call after that many steps (a time-boxed run), checkpointed for a resume."""
+    stop_after / time_budget_s: end this call after that many steps / seconds, checkpointed for a resume."""
+    started = time.monotonic()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tcfg = target.config
@@ -93,10 +101,11 @@ def train_dflash(target: LlamaForCausalLM, data: list[Sample], out_dir: str | Pa
     max_len = max(len(d.prompt) + len(d.response) for d in data) + cfg.block_size
     g = torch.Generator().manual_seed(cfg.seed)
     draft = DFlashDraftModel(dcfg, max_len, torch.float32).to(device)
-    with torch.no_grad():  # small init; norms at one
+    with torch.no_grad():  # small init; the output norm starts as the target's, so logits start at its scale
         for name, p in draft.named_parameters():
             if p.dim() > 1:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        draft.norm.weight.copy_(target.norm.weight.float())
     target.requires_grad_(False)
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     state_path = out / "trainer_state.pt"
@@ -122,26 +131,27 @@ def train_dflash(target: LlamaForCausalLM, data: list[Sample], out_dir: str | Pa
         picks = torch.randint(0, len(usable), (cfg.sequences_per_step,), generator=g).tolist()
         seqs = [usable[i] for i in picks]
         packed, _, _ = pack_batch(seqs, max_len)
-        hiddens, _ = target_features(target, packed.to(device), tuple(sorted(ids)))
-        loss_total, acc_total = 0.0, None
+        packed = packed.to(device)
+        hiddens, _ = target_features(target, packed, tuple(sorted(ids)))
+        lengths = torch.tensor([len(q.prompt) + len(q.response) for q in seqs])
+        lo = torch.tensor([len(q.prompt) for q in seqs])
+        u = torch.rand(len(seqs), cfg.anchors_per_sequence, generator=g)
+        anchors = (lo[:, None] + (u * (lengths - 1 - lo)[:, None]).long()).to(device)  # in [prompt, len - 2]
         opt.zero_grad(set_to_none=True)
-        for i, seq in enumerate(seqs):
-            n = len(seq.prompt) + len(seq.response)
-            tokens, hid = packed[i, :n].to(device), hiddens[i, :n]
-            lo, hi = len(seq.prompt), n - 2
-            anchors = torch.randint(lo, hi + 1, (cfg.anchors_per_sequence,), generator=g).to(device)
-            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                loss, acc = _block_loss(draft, target, tokens, hid.clone().float(), anchors, cfg, weights)
-            (loss / len(seqs)).backward()
-            loss_total += float(loss.detach()) / len(seqs)
-            acc_total = acc.detach() if acc_total is None else acc_total + acc.detach()
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            loss, acc = _block_loss(draft, target, packed, lengths.to(device), hiddens.float(), anchors, cfg, weights)
+        loss.backward()
+        loss_total, acc_mean = float(loss.detach()), acc.tolist()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
-        acc_mean = (acc_total / len(seqs)).tolist()
         bar.set_postfix(loss=f"{loss_total:.3f}", acc1=f"{acc_mean[0]:.2f}", lr=f"{lr:.1e}")
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
+        out_of_time = time_budget_s is not None and time.monotonic() - started > time_budget_s
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end or out_of_time:
             torch.save({"model": draft.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
                         "rng": g.get_state()}, state_path)
+        if out_of_time:
+            log.warning("time budget of %.0f s reached at step %d of %d", time_budget_s, step + 1, cfg.steps)
+            break
     save_dflash(draft, cfg_dict, out, {"train_config": json.dumps(asdict(cfg), default=str)})
     return out
 
@@ -162,3 +172,40 @@ def save_dflash(draft: DFlashDraftModel, cfg_dict: dict, out: Path, metadata: di
             tensors[name] = t.contiguous()
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", **metadata})
+
+
+def choose_mask_token(tokenizer, vocab_size: int) -> int:
+    """A token the chat template never produces: a code-dataset special token if the tokenizer has
+    one (SmolLM2: <empty_output>), else the last id of the vocabulary."""
+    for name in ("<empty_output>", "<jupyter_script>", "<|mask|>"):
+        ids = tokenizer.encode(name) if tokenizer is not None else []
+        if len(ids) == 1 and 0 <= ids[0] < vocab_size:
+            return ids[0]
+    return vocab_size - 1
+
+
+def run_training(target: str | None, out: str | Path, device: str = "auto", num_prompts: int = 4096,
+                 max_new_tokens: int = 256, gen_temperature: float = 0.0, gen_batch: int = 512,
+                 max_len: int = 512, cfg: DFlashTrainConfig | None = None, time_budget_s: float | None = None,
+                 seed: int = 0) -> Path:
+    """The whole job behind `tercel train-draft --algorithm dflash`: data (generated once, kept in
+    out/data.pt), then training (resumable from out/trainer_state.pt)."""
+    from ..llm import LLM
+    from .data import build_prompts, generate_responses, load_samples, save_samples
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    llm = LLM(target, device=device, max_model_len=max_len + max_new_tokens, max_num_seqs=gen_batch, seed=seed)
+    model, dev = llm.engine.model, llm.engine.device
+    data_path = out / "data.pt"
+    if data_path.is_file():
+        samples = load_samples(data_path)
+    else:
+        samples = generate_responses(llm, build_prompts(num_prompts, seed), max_new_tokens, gen_temperature, seed)
+        save_samples(samples, data_path)
+    samples = [Sample(s.prompt, s.response[:max(0, max_len - len(s.prompt))]) for s in samples if len(s.prompt) < max_len]
+    cfg = cfg or DFlashTrainConfig()
+    if cfg.mask_token_id is None:
+        cfg.mask_token_id = choose_mask_token(llm.tokenizer, model.config.vocab_size)
+    autocast = torch.bfloat16 if dev.type == "cuda" else None
+    return train_dflash(model, samples, out, cfg, dev, autocast_dtype=autocast, time_budget_s=time_budget_s)
