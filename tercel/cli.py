@@ -86,9 +86,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
-    if args.algorithm != "eagle3":
-        print(f"error: --algorithm {args.algorithm} has no trainer yet (eagle3 has).", file=sys.stderr)
-        return 2
+    if args.algorithm == "dflash":
+        from .train.dflash import DFlashTrainConfig, run_training
+
+        cfg = DFlashTrainConfig(block_size=args.block_size, num_layers=args.num_layers,
+                                intermediate_size=args.intermediate_size or 768, sequences_per_step=args.batch_size,
+                                steps=args.max_steps, lr=args.lr, seed=args.seed, checkpoint_every=args.save_every)
+        out = run_training(args.target, args.out, args.device, args.num_prompts, args.max_new_tokens,
+                           args.gen_temperature, args.gen_batch, args.max_len, cfg, args.time_budget, args.seed)
+        print(f"draft written to {out} (load it with --speculative-algorithm DFLASH or DDTREE "
+              f"--speculative-draft-model-path {out})")
+        return 0
     from .train.eagle3 import Eagle3TrainConfig, Eagle3Trainer
 
     cfg = Eagle3TrainConfig(
@@ -125,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "text (Python stdlib, installed package docs), the draft learns its "
                                     "distributions with a training-time test; resumable; writes the SpecForge "
                                     "format. Example: tercel train-draft --algorithm eagle3 --out drafts/mine")
-    tr.add_argument("--algorithm", default="eagle3", choices=["eagle3"], type=str.lower)
+    tr.add_argument("--algorithm", default="eagle3", choices=["eagle3", "dflash"], type=str.lower)
+    tr.add_argument("--block-size", type=int, default=16, help="dflash: block size (drafts per step + 1)")
+    tr.add_argument("--num-layers", type=int, default=2, help="dflash: draft layers")
     tr.add_argument("--target", default=None, help="target model (default: SmolLM2-135M-Instruct)")
     tr.add_argument("--out", required=True, help="output directory (also holds data.pt and checkpoint.pt to resume)")
     tr.add_argument("--device", default="auto")
