@@ -125,7 +125,11 @@ def train_dflash(target: LlamaForCausalLM, data: list[Sample], out_dir: str | Pa
     bar = tqdm(range(start, end), initial=start, total=cfg.steps, desc="train dflash", disable=not progress)
     ids = dcfg.target_layer_ids
     for step in bar:
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        # cosine decay over the steps, or over the time budget when that ends the run first
+        done = step / cfg.steps
+        if time_budget_s is not None:
+            done = max(done, (time.monotonic() - started) / time_budget_s)
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
         for group in opt.param_groups:
             group["lr"] = lr
         picks = torch.randint(0, len(usable), (cfg.sequences_per_step,), generator=g).tolist()
