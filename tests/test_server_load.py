@@ -102,11 +102,11 @@ async def _client(i: int, rng: random.Random, ac: httpx.AsyncClient, refs, stats
     body.update(stream=True, stream_options={"include_usage": True})
     if mode == "stream_cancel":  # give up at a random moment, possibly before the response starts
         try:
-            await asyncio.wait_for(_read_stream(ac, path, body, stats), timeout=rng.uniform(0.01, 3.0))
+            text = await asyncio.wait_for(_read_stream(ac, path, body, chat), timeout=rng.uniform(0.01, 3.0))
         except asyncio.TimeoutError:
             stats.dropped += 1
         else:
-            stats.dropped += 1  # finished in time: counted as a drop (its text is not checked)
+            check(text, mode)  # it finished before the client gave up
         return
     async with ac.stream("POST", path, json=body) as resp:
         assert resp.status_code == 200, await resp.aread()
@@ -131,19 +131,44 @@ async def _client(i: int, rng: random.Random, ac: httpx.AsyncClient, refs, stats
             stats.open_streams -= 1
 
 
-async def _read_stream(ac: httpx.AsyncClient, path: str, body: dict, stats: _Stats) -> None:
+async def _read_stream(ac: httpx.AsyncClient, path: str, body: dict, chat: bool) -> str:
+    text = ""
     async with ac.stream("POST", path, json=body) as resp:
-        async for _ in _sse_events(resp):
-            pass
+        assert resp.status_code == 200
+        async for ev in _sse_events(resp):
+            if ev is None:
+                return text
+            for ch in ev["choices"]:
+                text += (ch["delta"].get("content") or "") if chat else ch["text"]
+    raise AssertionError("stream ended without [DONE]")
+
+
+def _wait_settled(server, timeout_s: float = 60.0) -> dict[str, float]:
+    """Idle, and no generation request answered for a second: handlers of clients that gave up early
+    may still be running on the server after the clients are gone."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        m = server.wait_idle(timeout_s=max(1.0, deadline - time.monotonic()))
+        answered = sum(v for k, v in m.items() if k.startswith("tercel_requests_total{endpoint=\"/v1/"))
+        if answered == last:
+            return m
+        last = answered
+        time.sleep(1.0)
+    raise AssertionError("the server did not settle after the load")
 
 
 def test_load_with_random_disconnects(server, references):
     stats = _Stats()
     peak = {"running": 0.0}
+    health_failures: list[int] = []
 
     async def watch_metrics(stop: asyncio.Event) -> None:
-        async with async_http_client(timeout=10.0) as c:
+        async with async_http_client(timeout=30.0) as c:
             while not stop.is_set():
+                status = (await c.get(server.base_url + "/health")).status_code
+                if status != 200:
+                    health_failures.append(status)
                 text = (await c.get(server.base_url + "/metrics")).text
                 for line in text.splitlines():
                     if line.startswith("tercel_num_requests_running "):
@@ -167,10 +192,11 @@ def test_load_with_random_disconnects(server, references):
     assert not stats.mismatches, "\n".join(stats.mismatches[:10])
     assert stats.verified + stats.dropped == N_CLIENTS
     assert stats.verified >= N_CLIENTS // 2 and stats.dropped >= 20, vars(stats)
-    assert stats.max_open_streams >= 150, vars(stats)  # the streams really overlapped
-    assert peak["running"] >= 150, peak
+    assert stats.max_open_streams >= 100, vars(stats)  # the streams really overlapped
+    assert peak["running"] >= 100, peak
+    assert not health_failures
     assert server.health_ok()
-    m = server.wait_idle(timeout_s=60)
+    m = _wait_settled(server)
     assert m["tercel_kv_blocks_used"] == 0 and m["tercel_kv_blocks_total"] > 0
     # still correct after the storm
     with http_client(timeout=60.0) as c:
@@ -188,12 +214,11 @@ def test_stream_disconnect_aborts_and_frees_kv(server):
     with http_client(base_url=server.base_url, timeout=60.0) as c:
         with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
             assert r.status_code == 200
-            events = 0
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events += 1
-                    if events == 3:
-                        break
+            # Hold the line iterator: dropping it mid-stream would close the connection right away.
+            lines = r.iter_lines()
+            data = (line for line in lines if line.startswith("data: "))
+            for _ in range(3):
+                next(data)
             m = server.metrics()
             assert m["tercel_num_requests_running"] == 1 and m["tercel_kv_blocks_used"] > 0
     # 4000 tokens would take minutes: idle within seconds means it was aborted

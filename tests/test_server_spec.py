@@ -36,18 +36,18 @@ def client(server):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_spec_greedy_completion_matches_offline(client, prompt):
-    ref = offline(prompt, max_tokens=32)
-    r = client.completions.create(model="default", prompt=prompt, max_tokens=32, temperature=0)
+    ref = offline(prompt, max_tokens=24)
+    r = client.completions.create(model="default", prompt=prompt, max_tokens=24, temperature=0)
     assert r.choices[0].text == ref.text
     assert r.usage.completion_tokens == len(ref.token_ids)
-    chunks = list(client.completions.create(model="default", prompt=prompt, max_tokens=32, temperature=0,
+    chunks = list(client.completions.create(model="default", prompt=prompt, max_tokens=24, temperature=0,
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks) == ref.text
 
 
 def test_spec_greedy_chat_stream_matches_offline(client):
-    ref = offline(MESSAGES, chat=True, max_tokens=32)
-    chunks = list(client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=32, temperature=0,
+    ref = offline(MESSAGES, chat=True, max_tokens=24)
+    chunks = list(client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=24, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
     assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
@@ -61,7 +61,7 @@ def test_spec_seeded_sampling_is_reproducible(client):
 
 
 def test_spec_metrics_fill(server, client):
-    client.completions.create(model="default", prompt=PROMPTS[0], max_tokens=32, temperature=0)
+    client.completions.create(model="default", prompt=PROMPTS[0], max_tokens=24, temperature=0)
     m = server.metrics()
     assert m['tercel_spec_decode_accept_length_count{algorithm="NGRAM"}'] > 0
     assert 0.0 <= m['tercel_spec_decode_accept_rate{algorithm="NGRAM"}'] <= 1.0

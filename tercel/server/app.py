@@ -252,7 +252,9 @@ class OpenAIServer:
             raise APIError(400, msg.replace("SamplingParams.", "", 1) if m else msg, param=param,
                            code="invalid_value") from None
 
-    async def submit(self, requests: list[EngineRequest]) -> RequestGroup:
+    async def submit(self, request: Request, requests: list[EngineRequest]) -> RequestGroup:
+        if await request.is_disconnected():  # the client gave up while the request queued: skip the work
+            raise _ClientGone
         try:
             return await self.aengine.submit(requests, max_waiting=self.settings.max_queue_size)
         except QueueFullError as e:
@@ -387,7 +389,7 @@ class OpenAIServer:
             echo_texts = [x if isinstance(x, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
                           for x, ids in zip(raw_prompts, prompt_ids)]
         num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
-        group = await self.submit(engine_reqs)
+        group = await self.submit(request, engine_reqs)
         total = len(engine_reqs)
         model = self.settings.served_model_name
         created = _now()
@@ -536,7 +538,7 @@ class OpenAIServer:
                                      self.sampling_params(req, max_tokens, logprobs,
                                                           None if req.seed is None else req.seed + j))
                        for j in range(req.n)]
-        group = await self.submit(engine_reqs)
+        group = await self.submit(request, engine_reqs)
         model = self.settings.served_model_name
         created = _now()
         if req.stream:
