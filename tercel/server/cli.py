@@ -134,10 +134,15 @@ def run_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     model = args.model_opt or args.model_pos
+    # SIGTERM before uvicorn takes over (imports, model load), or re-raised by uvicorn after its graceful
+    # shutdown, exits 0.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         import uvicorn
 
         from .app import ServerSettings, build_app
+    except SystemExit as e:  # SIGTERM while importing
+        return int(e.code or 0)
     except ImportError as e:
         print(f"error: `tercel serve` needs fastapi, uvicorn, pydantic and prometheus-client ({e}); "
               f"pip install 'fastapi' 'uvicorn' 'pydantic>=2' 'prometheus-client'.", file=sys.stderr)
@@ -145,8 +150,6 @@ def run_serve(args: argparse.Namespace) -> int:
     from ..config import ConfigError
     from ..engine import LLMEngine
 
-    # SIGTERM while loading (or re-raised by uvicorn after its graceful shutdown) exits 0.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     api_key = args.api_key or os.environ.get("TERCEL_API_KEY") or None
     engine_kw = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                      kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
