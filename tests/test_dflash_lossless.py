@@ -1,0 +1,131 @@
+"""DFLASH and DDTREE are lossless: greedy output equals plain output token for token (SmolLM2 with
+the bundled trained draft), and sampled output follows exactly the target's distribution
+(chi-square against the enumerated joint distribution of the first two tokens of a tiny model)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import transformers
+from scipy.stats import chisquare
+
+from dflash_utils import write_random_dflash
+from tercel import LLM, SamplingParams
+from tercel.sampling import filter_logits
+
+transformers.logging.set_verbosity_error()
+VOCAB = 16
+PROMPT = [3, 7, 1, 12]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   initializer_range=0.15)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    root = tmp_path_factory.mktemp("tiny")
+    hf.save_pretrained(root / "target")
+    draft = write_random_dflash(root / "draft", vocab=VOCAB, hidden=32, num_target_layers=2, block_size=4,
+                                mask_token_id=VOCAB - 1, target_layer_ids=[0, 1], std=0.3)
+    return hf, root / "target", draft
+
+
+def _exact_joint(hf, params: SamplingParams) -> torch.Tensor:
+    """P(t1, t2) under the request's filtered distribution, by enumeration: [V, V]."""
+    with torch.no_grad():
+        p1 = filter_logits(hf(torch.tensor([PROMPT])).logits[0, -1].double(), params).softmax(-1)
+        ctx = torch.tensor([PROMPT + [t] for t in range(VOCAB)])
+        p2 = filter_logits(hf(ctx).logits[:, -1].double(), params).softmax(-1)
+    return p1[:, None] * p2
+
+
+SAMPLING = [SamplingParams(max_tokens=2, temperature=1.0), SamplingParams(max_tokens=2, temperature=0.7, top_p=0.9),
+            SamplingParams(max_tokens=2, temperature=1.0, top_k=5)]
+CASES = list(itertools.product([("DFLASH", None), ("DDTREE", 6)], range(len(SAMPLING))))
+
+
+@pytest.mark.parametrize("algo,which", CASES, ids=[f"{a[0]}-{['T1', 'T0.7-top_p0.9', 'top_k5'][w]}" for a, w in CASES])
+def test_sampling_matches_the_target_distribution(tiny, algo, which):
+    hf, target, draft = tiny
+    (name, budget), base = algo, SAMPLING[which]
+    n = 20_000
+    llm = LLM(str(target), device="cpu", skip_tokenizer_init=True, progress=False, max_model_len=64,
+              max_num_seqs=2048, max_num_batched_tokens=16384, speculative_algorithm=name,
+              speculative_draft_model_path=str(draft), speculative_ddtree_budget=budget)
+    # max_tokens=3: the spec step after the prefill token drafts t2 (and t3), so t2 goes through verify
+    params = [SamplingParams(max_tokens=3, temperature=base.temperature, top_p=base.top_p, top_k=base.top_k,
+                             seed=i, ignore_eos=True) for i in range(n)]
+    outs = llm.generate([PROMPT] * n, params)
+    stats = llm.engine.spec_stats()
+    assert stats.verify_steps > 0 and 0 < stats.accepted_tokens < stats.draft_tokens  # both paths exercised
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    for o in outs:
+        t1, t2 = o.outputs[0].token_ids[:2]
+        counts[t1, t2] += 1
+    expected = _exact_joint(hf, base).flatten() * n
+    observed = counts.flatten()
+    assert observed[expected == 0].sum() == 0, "a token outside the allowed set was emitted"
+    keep = expected >= 5  # pool the rare cells so the chi-square approximation holds
+    obs = torch.cat([observed[keep], observed[~keep].sum()[None]])
+    exp = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    p = chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
+    assert p > 0.01, f"chi-square p = {p:.4g}"
+
+
+# ---- greedy losslessness on the real model with the bundled draft ----------------------------
+
+@pytest.fixture(scope="module")
+def smol_prompts(smol_llm, smol_chat_ids):
+    tok = smol_llm.tokenizer
+    extra = ["Write a Python function that sorts a list of tuples by the second item.",
+             "What is the difference between a list and a tuple in Python?", "Explain recursion briefly.",
+             "Name five animals that live in the Arctic.", "How does a refrigerator work?",
+             "Write a limerick about a cat.", "What is 17 times 23?", "Give me a recipe for pancakes.",
+             "Write a bash command that counts lines in all .py files.", "What causes the seasons on Earth?",
+             "Translate 'good morning' into French, Spanish and German.", "Summarize the plot of Hamlet."]
+    ps = smol_chat_ids + [tok.apply_chat_template([{"role": "user", "content": e}]) for e in extra]
+    assert len(ps) >= 20
+    return ps
+
+
+@pytest.fixture(scope="module")
+def smol_plain(smol_llm, smol_prompts):
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in smol_llm.generate(smol_prompts, params)]
+
+
+def _spec_llm(smol_llm, algo: str, **kw) -> LLM:
+    from tercel.engine import LLMEngine
+    from tercel.spec import DEFAULT_DFLASH_DRAFT
+
+    llm = LLM.__new__(LLM)
+    llm.engine = LLMEngine(loaded=smol_llm.engine.loaded, dtype="float32", device="cpu", max_model_len=2048,
+                           speculative_algorithm=algo, speculative_draft_model_path=DEFAULT_DFLASH_DRAFT, **kw)
+    return llm
+
+
+@pytest.mark.parametrize("algo,kw", [("DFLASH", {}), ("DDTREE", {"speculative_ddtree_budget": 4}),
+                                     ("DDTREE", {"speculative_ddtree_budget": 16}),
+                                     ("DDTREE", {"speculative_ddtree_budget": 64})],
+                         ids=["dflash", "ddtree4", "ddtree16", "ddtree64"])
+def test_greedy_equals_plain_on_smollm2(smol_llm, smol_prompts, smol_plain, algo, kw):
+    llm = _spec_llm(smol_llm, algo, max_num_seqs=8, **kw)  # batches of 8, mixed prompt lengths
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    outs = llm.generate(smol_prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == smol_plain
+    assert llm.engine.spec_stats().mean_accept_length > 1.5  # the trained draft does accept
+
+
+def test_greedy_batch_of_one_equals_plain(smol_llm, smol_prompts, smol_plain):
+    llm = _spec_llm(smol_llm, "DDTREE", speculative_ddtree_budget=16, max_num_seqs=1)
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    outs = llm.generate(smol_prompts[:6], params)
+    assert [o.outputs[0].token_ids for o in outs] == smol_plain[:6]
+    llm = _spec_llm(smol_llm, "DFLASH", max_num_seqs=1)
+    outs = llm.generate(smol_prompts[6:12], params)
+    assert [o.outputs[0].token_ids for o in outs] == smol_plain[6:12]
