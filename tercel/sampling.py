@@ -76,7 +76,9 @@ class Sampler:
         logprobs: list[dict[int, float] | None] = []
         greedy_rows = [i for i, r in enumerate(reqs) if r.params.greedy and not r.params.has_penalties
                        and not r.params.min_tokens]
-        greedy_ids = logits[greedy_rows].argmax(-1).tolist() if greedy_rows else []
+        # all-greedy batches (the common case) skip the row gather: one argmax, one device->host copy
+        rows = logits if len(greedy_rows) == len(reqs) else logits[greedy_rows]
+        greedy_ids = rows.argmax(-1).tolist() if greedy_rows else []
         greedy_map = dict(zip(greedy_rows, greedy_ids))
         for i, req in enumerate(reqs):
             row = logits[i]

@@ -222,16 +222,21 @@ class CudaGraphRunner:
                 log.exception("capture failed")
                 return self._fallback(f"capture of bucket {bucket} failed: {e!r}", batch)
         try:
-            live = self.step.live_inputs(batch)
-            dsts, srcs = self.buffers.copy_pairs(live, n, bucket)
+            self.stage_inputs(batch, captured, bucket)
         except ValueError as e:
             return self._fallback(str(e), batch)
-        run_copies(plan_copies(dsts, srcs, self.config.big_copy_bytes), self.config.use_foreach)
-        self.step.update_host_fields(captured.static, batch, n, bucket)
-        self.step.prepare_replay(captured.static, n)
         captured.graph.replay()
         self.stats.replays += 1
         return self._live_outputs(captured.outputs, n, mode)
+
+    def stage_inputs(self, batch: ForwardBatch, captured: CapturedGraph, bucket: int) -> None:
+        """Everything a replay does on the host before graph.replay(): copy the live inputs into the
+        static buffers (grouped), pad to the bucket, refresh host-only fields and backend metadata."""
+        n = batch.num_requests
+        dsts, srcs = self.buffers.copy_pairs(self.step.live_inputs(batch), n, bucket)
+        run_copies(plan_copies(dsts, srcs, self.config.big_copy_bytes), self.config.use_foreach)
+        self.step.update_host_fields(captured.static, batch, n, bucket)
+        self.step.prepare_replay(captured.static, n)
 
     def _drop_stale(self, key: tuple) -> None:
         for b in [b for b, g in self.graphs.items() if g.key != key]:

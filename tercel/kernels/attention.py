@@ -97,9 +97,11 @@ def _decode_merge_kernel(PO, PL, O, stride_pob, stride_poh, stride_pos, stride_p
 
 
 def decode_splits(batch_size: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
-    """Splits per (request, KV head) so that about two waves of programs cover the GPU. Depends only
-    on the batch size, so eager and graph runs of one size use the same kernels (same rounding)."""
-    return max(1, min(max_splits, (2 * num_sms) // max(1, batch_size * num_kv_heads)))
+    """Splits per (request, KV head) so that about two waves of programs cover the GPU, a power of two
+    (few kernel variants to compile). Depends only on the batch size, so eager and graph runs of one
+    size use the same kernels (same rounding)."""
+    want = max(1, min(max_splits, (2 * num_sms) // max(1, batch_size * num_kv_heads)))
+    return 1 << (want.bit_length() - 1)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

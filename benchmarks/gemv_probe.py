@@ -1,0 +1,66 @@
+"""Batch-1 linear layers at Llama-3.1-8B shapes: cuBLAS (F.linear) vs the Triton GEMV, achieved
+bandwidth (weight bytes / time) against the measured copy bandwidth. Decides whether the model
+routes M == 1 linears through tercel.kernels.gemv. Usage: PYTHONPATH=. python benchmarks/gemv_probe.py"""
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from tercel.kernels.gemv import gemv
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096), "smol_qkv": (960, 576), "smol_gate_up": (3072, 576), "smol_down": (576, 1536)}
+CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+           for bn, bk, nw, ns in itertools.product((4, 8, 16), (512, 1024), (4, 8), (3,))]
+
+
+def bench(fn, reps=50, rotate=None):
+    for _ in range(5):
+        fn(0)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for i in range(reps):
+        fn(i % rotate)
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps / 1e3
+
+
+def main():
+    out = {}
+    for name, (n, k) in SHAPES.items():
+        copies = max(2, (1 << 30) // (n * k * 2))  # rotate over > L2 worth of weights
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(min(copies, 8))]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ref = F.linear(x, ws[0])
+        t_cublas = bench(lambda i: F.linear(x, ws[i]), rotate=len(ws))
+        best = None
+        for cfg in CONFIGS:
+            try:
+                y = gemv(x, ws[0], **cfg)
+                err = float((y.float() - ref.float()).norm() / ref.float().norm())
+                if err > 1e-2:
+                    continue
+                t = bench(lambda i: gemv(x, ws[i], **cfg), rotate=len(ws))
+            except Exception:  # a config that does not compile or fit
+                continue
+            if best is None or t < best[0]:
+                best = (t, cfg, err)
+        nbytes = n * k * 2
+        row = {"cublas_us": round(t_cublas * 1e6, 2), "cublas_TBps": round(nbytes / t_cublas / 1e12, 3)}
+        if best:
+            row.update(triton_us=round(best[0] * 1e6, 2), triton_TBps=round(nbytes / best[0] / 1e12, 3),
+                       triton_cfg=best[1], triton_rel_err=best[2])
+        out[name] = row
+        print(name, row, flush=True)
+        del ws
+    if len(sys.argv) > 1:
+        open(sys.argv[1], "w").write(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
