@@ -86,10 +86,22 @@ def _block_loss(draft: DFlashDraftModel, target: LlamaForCausalLM, seqs: torch.T
     return (ce * w).sum() / w.sum().clamp_min(1.0), hits.sum((0, 1)) / valid.sum((0, 1)).clamp_min(1.0)
 
 
+@torch.no_grad()
+def _cache_features(target: LlamaForCausalLM, samples: list[Sample], layer_ids: tuple[int, ...],
+                    device: torch.device, progress: bool, chunk: int = 8) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for i in tqdm(range(0, len(samples), chunk), desc="target features", disable=not progress):
+        part = samples[i:i + chunk]
+        packed, _, _ = pack_batch(part, max(len(s.prompt) + len(s.response) for s in part))
+        feats, _ = target_features(target, packed.to(device), layer_ids)
+        out += [feats[j, :len(s.prompt) + len(s.response)].to(torch.bfloat16) for j, s in enumerate(part)]
+    return out
+
+
 def train_dflash(target: LlamaForCausalLM, data: list[Sample], out_dir: str | Path,
                  cfg: DFlashTrainConfig, device: torch.device, progress: bool = True,
                  autocast_dtype: torch.dtype | None = None, stop_after: int | None = None,
-                 time_budget_s: float | None = None) -> Path:
+                 time_budget_s: float | None = None, cache_features: bool = False) -> Path:
     """Train (resuming from out_dir/trainer_state.pt when present) and write the z-lab format.
     stop_after / time_budget_s: end this call after that many steps / seconds, checkpointed for a resume."""
     started = time.monotonic()
@@ -122,6 +134,7 @@ def train_dflash(target: LlamaForCausalLM, data: list[Sample], out_dir: str | Pa
     if not usable:
         raise ValueError("no training sequence has a response of at least 2 tokens.")
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+    cached = _cache_features(target, usable, tuple(sorted(ids)), device, progress) if cache_features else None
     bar = tqdm(range(start, end), initial=start, total=cfg.steps, desc="train dflash", disable=not progress)
     ids = dcfg.target_layer_ids
     for step in bar:
@@ -136,7 +149,11 @@ def train_dflash(target: LlamaForCausalLM, data: list[Sample], out_dir: str | Pa
         seqs = [usable[i] for i in picks]
         packed, _, _ = pack_batch(seqs, max_len)
         packed = packed.to(device)
-        hiddens, _ = target_features(target, packed, tuple(sorted(ids)))
+        if cached is not None:  # precomputed once (CPU training: the target forward dominates)
+            t = packed.shape[1]
+            hiddens = torch.stack([F.pad(cached[i][:t], (0, 0, 0, t - min(t, cached[i].shape[0]))) for i in picks])
+        else:
+            hiddens, _ = target_features(target, packed, tuple(sorted(ids)))
         lengths = torch.tensor([len(q.prompt) + len(q.response) for q in seqs])
         lo = torch.tensor([len(q.prompt) for q in seqs])
         u = torch.rand(len(seqs), cfg.anchors_per_sequence, generator=g)
@@ -191,7 +208,7 @@ def choose_mask_token(tokenizer, vocab_size: int) -> int:
 def run_training(target: str | None, out: str | Path, device: str = "auto", num_prompts: int = 4096,
                  max_new_tokens: int = 256, gen_temperature: float = 0.0, gen_batch: int = 512,
                  max_len: int = 512, cfg: DFlashTrainConfig | None = None, time_budget_s: float | None = None,
-                 seed: int = 0) -> Path:
+                 seed: int = 0, gen_time_budget_s: float | None = None) -> Path:
     """The whole job behind `tercel train-draft --algorithm dflash`: data (generated once, kept in
     out/data.pt), then training (resumable from out/trainer_state.pt)."""
     from ..llm import LLM
@@ -205,11 +222,13 @@ def run_training(target: str | None, out: str | Path, device: str = "auto", num_
     if data_path.is_file():
         samples = load_samples(data_path)
     else:
-        samples = generate_responses(llm, build_prompts(num_prompts, seed), max_new_tokens, gen_temperature, seed)
+        samples = generate_responses(llm, build_prompts(num_prompts, seed), max_new_tokens, gen_temperature, seed,
+                                     wave=gen_batch, time_budget_s=gen_time_budget_s)
         save_samples(samples, data_path)
     samples = [Sample(s.prompt, s.response[:max(0, max_len - len(s.prompt))]) for s in samples if len(s.prompt) < max_len]
     cfg = cfg or DFlashTrainConfig()
     if cfg.mask_token_id is None:
         cfg.mask_token_id = choose_mask_token(llm.tokenizer, model.config.vocab_size)
     autocast = torch.bfloat16 if dev.type == "cuda" else None
-    return train_dflash(model, samples, out, cfg, dev, autocast_dtype=autocast, time_budget_s=time_budget_s)
+    return train_dflash(model, samples, out, cfg, dev, autocast_dtype=autocast, time_budget_s=time_budget_s,
+                        cache_features=dev.type == "cpu")
