@@ -134,6 +134,7 @@ def train_dflash(target: LlamaForCausalLM, data: list[Sample], out_dir: str | Pa
     if not usable:
         raise ValueError("no training sequence has a response of at least 2 tokens.")
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+    ids = dcfg.target_layer_ids
     cached = _cache_features(target, usable, tuple(sorted(ids)), device, progress) if cache_features else None
     bar = tqdm(range(start, end), initial=start, total=cfg.steps, desc="train dflash", disable=not progress)
     ids = dcfg.target_layer_ids
