@@ -18,6 +18,7 @@ class RequestMetrics:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accept_histogram: list[int] = field(default_factory=list)
+    spec_accept_lengths: list[int] = field(default_factory=list)  # tokens emitted by each verify, in order
 
     @property
     def mean_accept_length(self) -> float | None:
@@ -34,6 +35,7 @@ class RequestMetrics:
         self.spec_verify_steps += 1
         self.spec_draft_tokens += num_drafts
         self.spec_accepted_tokens += num_accepted
+        self.spec_accept_lengths.append(num_accepted + 1)
         h = self.spec_accept_histogram
         if len(h) <= num_accepted:
             h.extend([0] * (num_accepted + 1 - len(h)))
