@@ -5,6 +5,7 @@ One step serves a mixed batch: prefill chunks and decodes of many requests, pack
 from __future__ import annotations
 
 import itertools
+import numbers
 import logging
 import threading
 import time
@@ -139,8 +140,9 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ConfigError("this engine has no tokenizer; pass token ids instead of text.")
             text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            text, ids = None, list(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                       for t in prompt):
+            text, ids = None, [int(t) for t in prompt]
         else:
             raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}.")
         if not ids:

@@ -1,6 +1,7 @@
 """Per-request sampling parameters, validated on construction (vLLM's field names)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -28,20 +29,25 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         if self.top_k == -1:
             self.top_k = 0
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
         checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
-            (self.temperature >= 0.0, "temperature", ">= 0 (0 means greedy)"),
+            (is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
+            (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0.0,
+             "temperature", "a finite number >= 0 (0 means greedy)"),
+            (self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**63), "seed", "None or an integer in [0, 2**63)"),
             (0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "0/-1 (off) or a positive integer"),
+            (is_int(self.top_k) and self.top_k >= 0, "top_k", "0/-1 (off) or a positive integer"),
             (0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]"),
             (self.repetition_penalty > 0.0, "repetition_penalty", "> 0 (1 means off)"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
              "logprobs", "None or an integer in [0, 20]"),
-            (isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "an integer >= 0"),
+            (is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an integer >= 0"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+            (all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "non-negative token ids"),
         ]
         for ok, name, want in checks:
