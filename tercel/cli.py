@@ -93,7 +93,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
                                 intermediate_size=args.intermediate_size or 768, sequences_per_step=args.batch_size,
                                 steps=args.max_steps, lr=args.lr, seed=args.seed, checkpoint_every=args.save_every)
         out = run_training(args.target, args.out, args.device, args.num_prompts, args.max_new_tokens,
-                           args.gen_temperature, args.gen_batch, args.max_len, cfg, args.time_budget, args.seed)
+                           args.gen_temperature, args.gen_batch, args.max_len, cfg, args.time_budget, args.seed,
+                           gen_time_budget_s=args.gen_time_budget)
         print(f"draft written to {out} (load it with --speculative-algorithm DFLASH or DDTREE "
               f"--speculative-draft-model-path {out})")
         return 0
