@@ -20,12 +20,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed)")
+    c = p.add_argument_group("CUDA graphs (GPU only)")
+    c.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly")
+    c.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="largest batch captured (default: min(256, --max-num-seqs)); larger batches run eagerly")
+    c.add_argument("--cuda-graph-bs", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="comma-separated batch sizes to capture (default: 1..8, then steps of 2/4/8/16)")
+    c.add_argument("--cuda-graph-backend", choices=["full", "breakable", "breakable-debug"], default="full",
+                   help="full: one graph per step; breakable: graph segments around eager breaks (attention); "
+                        "breakable-debug: the whole forward eager over the same static buffers")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
+                max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+                disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                cuda_graph_bs=args.cuda_graph_bs, cuda_graph_backend=args.cuda_graph_backend)
 
 
 def add_speculative_args(p: argparse.ArgumentParser, default_algorithm: str | None = None) -> None:
