@@ -217,6 +217,10 @@ def test_higher_hidden_mode_recaptures_and_aux_change_invalidates(tiny):
     assert runner.run(batch).hidden_states.shape == ref.hidden_states.shape and runner.stats.captures == captures
     model.set_aux_layers([0, 2])  # the graph baked in "no aux layers": it must not be replayed
     try:
+        captures = runner.stats.captures
+        plain = reqs.batch([0, 1])  # NULL mode reads no hidden states: its graph stays valid
+        torch.testing.assert_close(runner.run(plain).logits, step.eager(plain).logits, atol=1e-4, rtol=1e-4)
+        assert runner.stats.captures == captures
         batch.capture_hidden_mode = CaptureHiddenMode.FULL
         out = runner.run(batch)
         ref = step.eager(batch)

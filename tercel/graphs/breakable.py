@@ -96,6 +96,14 @@ class BreakableGraph:
             self._begin()
             out = fn()
             self._end()
+        except BaseException:
+            if self._segment is not None:  # never leave the stream capturing after a failed capture
+                try:
+                    self._segment.capture_end()
+                except Exception:
+                    pass
+                self._segment = None
+            raise
         finally:
             _ACTIVE.reset(token)
         return out

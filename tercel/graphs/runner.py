@@ -205,8 +205,10 @@ class CudaGraphRunner:
         captured = self.graphs.get(bucket)
         mode = batch.capture_hidden_mode
         key = self.step.capture_key()
-        if captured is None or not captured.mode.covers(mode) or captured.key != key:
-            if captured is not None and captured.key != key and captured.mode != CaptureHiddenMode.NULL:
+        # the captured key (aux-layer set) only matters to batches that read hidden states
+        stale = captured is not None and mode != CaptureHiddenMode.NULL and captured.key != key
+        if captured is None or not captured.mode.covers(mode) or stale:
+            if stale:
                 self._drop_stale(key)
             why = ("not captured yet" if captured is None else
                    f"captured at {captured.mode.name}, asked {mode.name}" if not captured.mode.covers(mode) else
@@ -239,7 +241,7 @@ class CudaGraphRunner:
         self.step.prepare_replay(captured.static, n)
 
     def _drop_stale(self, key: tuple) -> None:
-        for b in [b for b, g in self.graphs.items() if g.key != key]:
+        for b in [b for b, g in self.graphs.items() if g.key != key and g.mode != CaptureHiddenMode.NULL]:
             del self.graphs[b]
 
     def _live_outputs(self, out: ModelOutput, n: int, mode: CaptureHiddenMode) -> ModelOutput:

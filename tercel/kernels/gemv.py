@@ -2,7 +2,8 @@
 
 At batch 1 every linear layer is a pure weight stream, so the only goal is bandwidth: each
 program reads BLOCK_N full rows of W with wide loads, in BLOCK_K chunks, and reduces in fp32.
-Used only where a measurement on the device showed it beats cuBLAS (see benchmarks/gpu_decode.py).
+Not wired into the model: benchmarks/gemv_probe.py measures it against cuBLAS (F.linear) at the
+Llama-8B and SmolLM2 shapes; route M == 1 linears through it only where that measurement wins.
 """
 from __future__ import annotations
 
