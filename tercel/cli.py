@@ -42,14 +42,18 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def add_speculative_args(p: argparse.ArgumentParser, default_algorithm: str | None = None) -> None:
     g = p.add_argument_group("speculative decoding (SGLang's flags)")
     g.add_argument("--speculative-algorithm", default=default_algorithm, type=str.upper,
-                   choices=["AUTO", "NONE", "NGRAM", "EAGLE", "EAGLE3"],
+                   choices=["AUTO", "NONE", "NGRAM", "EAGLE", "EAGLE3", "DFLASH", "DDTREE"],
                    help="AUTO (default): EAGLE3 with the bundled draft on the default model, off for other models; "
                         "NONE: plain decoding")
-    g.add_argument("--speculative-draft-model-path", default=None, help="EAGLE / EAGLE-3 draft directory")
+    g.add_argument("--speculative-draft-model-path", default=None,
+                   help="EAGLE / EAGLE-3 / DFlash draft directory (DFLASH/DDTREE on the default model: the bundled one)")
     g.add_argument("--speculative-num-steps", type=int, default=None, help="draft depth (default 5)")
     g.add_argument("--speculative-eagle-topk", type=int, default=None, help="branches per draft step (1: chain)")
     g.add_argument("--speculative-num-draft-tokens", type=int, default=None,
-                   help="tree nodes verified per step, root included (chain: num_steps + 1)")
+                   help="tree nodes verified per step, root included (chain: num_steps + 1); "
+                        "DFLASH/DDTREE: the block size (default: the checkpoint's)")
+    g.add_argument("--speculative-ddtree-budget", type=int, default=None,
+                   help="DDTREE: draft nodes in the verified tree, 2..64 (default 16)")
 
 
 def speculative_kwargs(args: argparse.Namespace) -> dict:
@@ -58,7 +62,8 @@ def speculative_kwargs(args: argparse.Namespace) -> dict:
         algo = "EAGLE3" if args.model is None else None
     return dict(speculative_algorithm=algo, speculative_draft_model_path=args.speculative_draft_model_path,
                 speculative_num_steps=args.speculative_num_steps, speculative_eagle_topk=args.speculative_eagle_topk,
-                speculative_num_draft_tokens=args.speculative_num_draft_tokens)
+                speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+                speculative_ddtree_budget=args.speculative_ddtree_budget)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
 # Passed to LLMEngine as keyword arguments only when given on the command line.
 SPECULATIVE_ARGS = ("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
-                    "speculative_eagle_topk", "speculative_num_draft_tokens")
+                    "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_ddtree_budget")
 _SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
                "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
 
@@ -96,10 +96,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of free GPU memory for the KV cache (default 0.85)")
     e.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own seed")
     d = p.add_argument_group("speculative decoding (passed to the engine only when given)")
-    d.add_argument("--speculative-algorithm", default=None, help="e.g. EAGLE, EAGLE3, STANDALONE, NGRAM")
+    d.add_argument("--speculative-algorithm", default=None, help="NGRAM, EAGLE, EAGLE3, DFLASH or DDTREE")
     d.add_argument("--speculative-draft-model-path", default=None, help="draft model directory or .gguf file")
     d.add_argument("--speculative-num-steps", type=_positive_int, default=None, help="draft steps per verify")
     d.add_argument("--speculative-eagle-topk", type=_positive_int, default=None, help="EAGLE tree branching")
+    d.add_argument("--speculative-ddtree-budget", type=_positive_int, default=None,
+                   help="DDTREE: draft nodes in the verified tree (2..64)")
     d.add_argument("--speculative-num-draft-tokens", type=_positive_int, default=None,
                    help="draft tokens verified per step")
 
