@@ -233,3 +233,20 @@ def test_higher_hidden_mode_recaptures_and_aux_change_invalidates(tiny):
     out = no_recapture.run(batch)
     assert out.hidden_states is not None and no_recapture.stats.eager == 1
     assert any("recapture is off" in r for r in no_recapture.stats.fallbacks)
+
+
+def test_cached_staging_plans_copy_fresh_values(foreach_calls):
+    bufs = StaticBuffers(SPECS, max_requests=8, tokens_per_request=1, device="cpu")
+    bufs.stage(_live(8, 1, 6, base=1000), 8, 8, big_copy_bytes=256)
+    for base in (0, 50):  # the same shapes twice: the second call reuses the plan with the new tensors
+        live = _live(3, 1, 4, base=base)
+        bufs.stage(live, 3, 5, big_copy_bytes=256)
+        assert torch.equal(bufs.tensors["positions"][:3], live["positions"])
+        assert bufs.tensors["positions"][3:5].eq(0).all() and bufs.tensors["seq_lens"][3:5].eq(2).all()
+        assert torch.equal(bufs.tensors["block_tables"][:3, :4], live["block_tables"])
+        assert torch.equal(bufs.tensors["hidden"][:3], live["hidden"])
+    assert len(bufs._plans) == 2
+    # per replay one launch per dtype pair (int64: 4 live + 4 pads, float32: hidden + its pad); the
+    # narrower block table has its own copy
+    assert len(foreach_calls) == 5
+    assert foreach_calls[-2][0] == [torch.long] * 8 and foreach_calls[-1][0] == [torch.float32] * 2

@@ -22,6 +22,7 @@ works on CPU tensors, which is how it is tested.
 """
 from __future__ import annotations
 
+import collections
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -120,6 +121,28 @@ def grouped_copy_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor],
     return plan
 
 
+class _CachedPlan:
+    """A CopyPlan whose destinations (and pad sources) are fixed; the live sources are filled in per call
+    by their position in the live-input list. Built once per (live, bucket, input shapes)."""
+
+    def __init__(self, plan: CopyPlan, live: list[torch.Tensor]) -> None:
+        ids = {id(t): i for i, t in enumerate(live)}
+        self.groups = [(dsts, [ids.get(id(s), s) for s in srcs]) for dsts, srcs in plan.groups.values()]
+        self.singles = [(d, ids.get(id(s), s)) for d, s in plan.singles]
+
+    def run(self, live: list[torch.Tensor], use_foreach: bool) -> None:
+        pick = lambda s: live[s] if type(s) is int else s  # noqa: E731
+        for dsts, slots in self.groups:
+            srcs = [pick(s) for s in slots]
+            if use_foreach and HAS_FOREACH_COPY:
+                torch._foreach_copy_(dsts, srcs)
+            else:
+                for d, src in zip(dsts, srcs):
+                    d.copy_(src)
+        for d, s in self.singles:
+            d.copy_(pick(s), non_blocking=True)
+
+
 class StaticBuffers:
     """The static inputs of one step kind, sized for max_requests. One set is shared by every bucket
     (graphs of smaller buckets read the head of each buffer), so stale rows from a larger batch are
@@ -135,6 +158,7 @@ class StaticBuffers:
         self.tokens_per_request = tokens_per_request
         self.device = torch.device(device)
         self.tensors: dict[str, torch.Tensor] = {}
+        self._plans: collections.OrderedDict[tuple, _CachedPlan] = collections.OrderedDict()
         self._pad_src: dict[str, torch.Tensor] = {}
         shared: dict[tuple, torch.Tensor] = {}
         for s in specs:
@@ -184,3 +208,20 @@ class StaticBuffers:
                 dsts.append(buf[n:b])
                 srcs.append(self._pad_src[name][: b - n])
         return dsts, srcs
+
+    def stage(self, live: dict[str, torch.Tensor], num_live: int, bucket: int,
+              big_copy_bytes: int = DEFAULT_BIG_COPY_BYTES, use_foreach: bool = True) -> None:
+        """copy_pairs + plan_copies + run_copies, with the plan cached per (live, bucket, input shapes,
+        dtypes, layouts): a replay then costs a dict lookup and the copy launches, not the planning."""
+        tensors = list(live.values())
+        key = (num_live, bucket, tuple(live), tuple((t.shape, t.dtype, t.stride(), t.device) for t in tensors),
+               big_copy_bytes)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = _CachedPlan(plan_copies(*self.copy_pairs(live, num_live, bucket), big_copy_bytes), tensors)
+            self._plans[key] = plan
+            if len(self._plans) > 512:  # block-table widths vary with context length: keep the recent ones
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        plan.run(tensors, use_foreach)

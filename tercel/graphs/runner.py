@@ -34,7 +34,7 @@ import torch
 
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from .breakable import BreakableGraph
-from .buffers import DEFAULT_BIG_COPY_BYTES, BufferSpec, StaticBuffers, plan_copies, run_copies
+from .buffers import DEFAULT_BIG_COPY_BYTES, BufferSpec, StaticBuffers
 
 log = logging.getLogger(__name__)
 
@@ -235,8 +235,7 @@ class CudaGraphRunner:
         """Everything a replay does on the host before graph.replay(): copy the live inputs into the
         static buffers (grouped), pad to the bucket, refresh host-only fields and backend metadata."""
         n = batch.num_requests
-        dsts, srcs = self.buffers.copy_pairs(self.step.live_inputs(batch), n, bucket)
-        run_copies(plan_copies(dsts, srcs, self.config.big_copy_bytes), self.config.use_foreach)
+        self.buffers.stage(self.step.live_inputs(batch), n, bucket, self.config.big_copy_bytes, self.config.use_foreach)
         self.step.update_host_fields(captured.static, batch, n, bucket)
         self.step.prepare_replay(captured.static, n)
 
