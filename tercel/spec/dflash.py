@@ -145,11 +145,13 @@ class DFlashDrafter(Drafter):
     def propose(self, reqs: list[Request]) -> list[DraftTree]:
         eng, dev, s = self.engine, self.engine.device, self.block_size
         ctx_lens = [r.num_computed_tokens for r in reqs]
-        c_max = max(ctx_lens)
-        ctx_slots = torch.zeros(len(reqs), c_max, dtype=torch.long)
-        for i, r in enumerate(reqs):
-            ctx_slots[i, :ctx_lens[i]] = torch.tensor(self._slots(r, range(ctx_lens[i])))
-        ctx_mask = torch.arange(c_max)[None, :] < torch.tensor(ctx_lens)[:, None]
+        c_max, kv_bs = max(ctx_lens), eng.kv.block_size
+        width = max(len(r.block_table) for r in reqs)
+        tables = torch.tensor([r.block_table + [0] * (width - len(r.block_table)) for r in reqs])
+        pos = torch.arange(c_max)
+        ctx_mask = pos[None, :] < torch.tensor(ctx_lens)[:, None]
+        # context slots from the block tables; padded positions read slot 0 and are masked out
+        ctx_slots = torch.where(ctx_mask, tables[:, (pos // kv_bs).clamp(max=width - 1)] * kv_bs + pos % kv_bs, 0)
         block_ids = torch.full((len(reqs), s), self.mask_token_id, dtype=torch.long)
         block_ids[:, 0] = torch.tensor([r.output_token_ids[-1] for r in reqs])
         positions = torch.tensor(ctx_lens)[:, None] + torch.arange(s)[None, :]
