@@ -97,6 +97,10 @@ class EagleDraftConfig:
             raise ConfigError(f"{source}: eagle_aux_hidden_state_layer_ids {bad} are out of range for a "
                               f"{target.num_layers}-layer target (valid 0..{target.num_layers - 1}); this draft was "
                               f"trained for another target.")
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"{source}: eagle_aux_hidden_state_layer_ids {list(ids)} repeat a layer (for a "
+                              f"{target.num_layers}-layer target the default low/mid/high ids collide; give distinct "
+                              f"ids in eagle_config).")
         return cls(kind, layers, draft_vocab, target_hidden, ids, tie)
 
 

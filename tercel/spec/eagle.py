@@ -196,6 +196,7 @@ class EagleDrafter(Drafter):
         hidden0 = torch.stack([r.spec_state.hidden for r in reqs])
         logits0 = torch.stack([r.spec_state.logits for r in reqs])
         sample_rows = [i for i, r in enumerate(reqs) if not r.params.greedy] if k == 1 else []
+        sample_set = set(sample_rows)
         max_pos = self.engine.config.max_model_len - 1
         cap = max(1, (steps - 1) * k)
         prefix_slots, prefix_valid = self._prefix(reqs, base)
@@ -206,16 +207,24 @@ class EagleDrafter(Drafter):
             """top-k (scores, draft ids) of [B, K', Vd] logits; a chain's sampling rows draw instead."""
             probs = logits.softmax(-1)
             scores, idx = probs.topk(k, dim=-1)
-            for i in sample_rows:
-                r = reqs[i]
-                q_draft = filter_logits(logits[i, 0], r.params).softmax(-1)
-                d = sample_from_probs(q_draft, r.generator)
-                idx[i, 0, 0] = d
-                q = torch.zeros(self.vocab_size, dtype=torch.float32)
-                q[self._to_target(torch.arange(q_draft.numel(), device=dev)).cpu()] = q_draft.float().cpu()
-                qs[i].append(q)
+            if sample_rows:
+                # q: the request's own filters applied to the draft logits (one batched filter per
+                # distinct filter setting), then one draw per request from its own generator
+                groups: dict[tuple, list[int]] = {}
+                for i in sample_rows:
+                    p = reqs[i].params
+                    groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
+                target_ids = self._to_target(torch.arange(logits.shape[-1], device=dev)).cpu()
+                for rows_ in groups.values():
+                    q_draft = filter_logits(logits[rows_, 0], reqs[rows_[0]].params).softmax(-1).float().cpu()
+                    q_full = torch.zeros(len(rows_), self.vocab_size, dtype=torch.float32)
+                    q_full[:, target_ids] = q_draft
+                    for row, i in enumerate(rows_):
+                        idx[i, 0, 0] = sample_from_probs(q_draft[row], reqs[i].generator)
+                        qs[i].append(q_full[row])
+            sampled = set(sample_rows)
             for i in range(b):
-                if i not in sample_rows:
+                if i not in sampled:
                     qs[i].append(None)
             return scores, idx
 
@@ -262,7 +271,7 @@ class EagleDrafter(Drafter):
         for i, r in enumerate(reqs):
             root = r.prompt_token_ids[-1] if not r.output_token_ids else r.output_token_ids[-1]
             if k == 1:
-                trees.append(DraftTree.chain(root, all_tokens[i], qs[i] if i in sample_rows else None))
+                trees.append(DraftTree.chain(root, all_tokens[i], qs[i] if i in sample_set else None))
                 continue
             kept, parents = select_tree_nodes(all_scores[i], all_parents[i], self.num_draft_tokens - 1)
             trees.append(DraftTree([root] + [all_tokens[i][c] for c in kept], [-1] + parents))

@@ -1,0 +1,173 @@
+"""Greedy speculative decoding is lossless: output equals plain decoding token for token (fp32, CPU)
+for NGRAM and EAGLE-3 (the bundled trained head and a random head), chains and trees, batch 1 and 8
+with mixed prompt lengths, on SmolLM2 (20 prompts x 64 tokens) and on a random-config Qwen3; tree
+verify keeps the right KV when the accepted path runs through later siblings; KV is all returned."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from spec_utils import OracleTreeDrafter, spec_llm
+from tercel import LLM, SamplingParams
+from tercel.spec import DEFAULT_EAGLE3_DRAFT
+from tercel.spec.ngram import ngram_lookup
+from tercel.train.export import random_eagle3
+
+transformers.logging.set_verbosity_error()
+GREEDY = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+EXTRA = ["Write a Python function that sorts a list of tuples by the second item.",
+         "What is the difference between a list and a tuple in Python?", "Explain recursion briefly.",
+         "Name five animals that live in the Arctic.", "How does a refrigerator work?",
+         "Write a limerick about a cat.", "What is 17 times 23?", "Give me a recipe for pancakes.",
+         "Write a bash command that counts lines in all .py files.", "What causes the seasons on Earth?",
+         "Translate 'good morning' into French, Spanish and German.", "Summarize the plot of Hamlet."]
+
+
+@pytest.fixture(scope="module")
+def prompts(smol_llm, smol_chat_ids):
+    tok = smol_llm.tokenizer
+    raw = ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. " * 12,
+           "Once upon a time, in a small village by the sea, there lived an old fisherman who"]
+    ps = smol_chat_ids + [tok.apply_chat_template([{"role": "user", "content": e}]) for e in EXTRA[:9]]
+    ps += [tok.encode(r) for r in raw]
+    assert len(ps) == 20 and len({len(p) for p in ps}) > 10  # mixed lengths (6 to 120 tokens)
+    return ps
+
+
+@pytest.fixture(scope="module")
+def plain(smol_llm, prompts):
+    return [o.outputs[0].token_ids for o in smol_llm.generate(prompts, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def random_head(tmp_path_factory, smol_llm):
+    return str(random_eagle3(tmp_path_factory.mktemp("rand_e3"), smol_llm.engine.model_config,
+                             draft_vocab_size=4096, intermediate_size=256))
+
+
+def _check(llm, prompts, plain):
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert llm.engine.stats().kv_blocks_used == 0  # every block returned
+    return llm.engine.spec_stats()
+
+
+@pytest.mark.parametrize("kw,every", [
+    (dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1), 1),
+    (dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_num_draft_tokens=16), 2),
+    (dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_num_draft_tokens=8), 4),
+    (dict(speculative_algorithm="NGRAM"), 2),
+], ids=["eagle3-chain", "eagle3-tree16", "eagle3-tree8", "ngram"])
+def test_greedy_batch8_equals_plain(smol_llm, prompts, plain, kw, every):
+    """All 20 prompts (x 64 tokens) for the chain, a spread subset for the rest (CI time)."""
+    if kw["speculative_algorithm"] == "EAGLE3":
+        kw["speculative_draft_model_path"] = str(DEFAULT_EAGLE3_DRAFT)
+    stats = _check(spec_llm(smol_llm, max_num_seqs=8, **kw), prompts[::every], plain[::every])
+    assert stats.accepted_tokens > 0 and stats.mean_accept_length > 1.1  # drafts do get accepted
+
+
+@pytest.mark.parametrize("topk,n", [(1, None), (4, 8)], ids=["chain", "tree8"])
+def test_greedy_random_head_equals_plain(smol_llm, prompts, plain, random_head, topk, n):
+    llm = spec_llm(smol_llm, max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head,
+                   speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
+    _check(llm, prompts[::4], plain[::4])
+
+
+@pytest.mark.parametrize("kw", [dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1),
+                                dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4,
+                                     speculative_num_draft_tokens=16),
+                                dict(speculative_algorithm="NGRAM")], ids=["eagle3-chain", "eagle3-tree16", "ngram"])
+def test_greedy_batch1_equals_plain(smol_llm, prompts, plain, kw):
+    if kw["speculative_algorithm"] == "EAGLE3":
+        kw["speculative_draft_model_path"] = str(DEFAULT_EAGLE3_DRAFT)
+    _check(spec_llm(smol_llm, max_num_seqs=1, **kw), prompts[1::10], plain[1::10])
+
+
+def test_tree_accepting_later_siblings_keeps_the_right_kv(smol_llm, prompts, plain):
+    """An oracle hides the right token as the last of 3 siblings at each of 4 levels: every verify
+    accepts 4 drafts through non-first children (KV compaction), and output still equals plain."""
+    llm = spec_llm(smol_llm, max_num_seqs=8, speculative_algorithm="NGRAM")
+    cont = {tuple(p): out for p, out in zip(prompts, plain)}
+    llm.engine.spec.drafter = OracleTreeDrafter(cont, depth=4, width=3, vocab=smol_llm.engine.model_config.vocab_size)
+    llm.engine.spec.num_draft_tokens = 13
+    stats = _check(llm, prompts[::2], plain[::2])
+    assert stats.mean_accept_length > 3.5  # 5 except at the end, where max_tokens trims the tree
+
+
+def test_preemption_and_chunked_prefill_with_eagle3(smol_llm, prompts, plain):
+    llm = spec_llm(smol_llm, max_model_len=256, num_kv_blocks=16, block_size=16, max_num_batched_tokens=40,
+                   speculative_algorithm="EAGLE3", speculative_draft_model_path=str(DEFAULT_EAGLE3_DRAFT),
+                   speculative_eagle_topk=4, speculative_num_draft_tokens=8)
+    outs = llm.generate(prompts[:6], GREEDY)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0, "the small pool was meant to force preemption"
+    assert [o.outputs[0].token_ids for o in outs] == plain[:6]
+    assert llm.engine.stats().kv_blocks_used == 0
+
+
+def test_abort_mid_speculation_frees_kv(smol_llm, prompts):
+    llm = spec_llm(smol_llm, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(DEFAULT_EAGLE3_DRAFT))
+    ids = [llm.engine.add_request(p, GREEDY) for p in prompts[:3]]
+    for _ in range(3):
+        llm.engine.step()
+    assert llm.engine.abort_request(ids[0])
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.engine.stats().kv_blocks_used == 0
+
+
+def test_stop_conditions_inside_an_accepted_run(smol_llm, prompts, plain):
+    """max_tokens and stop tokens that fall inside an accepted draft run cut it exactly there."""
+    llm = spec_llm(smol_llm, speculative_algorithm="NGRAM")
+    cont = {tuple(p): out for p, out in zip(prompts, plain)}
+    llm.engine.spec.drafter = OracleTreeDrafter(cont, depth=5, width=1, vocab=smol_llm.engine.model_config.vocab_size)
+    for n in (1, 2, 7, 13):
+        out = llm.generate(prompts[3], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
+        assert out.outputs[0].token_ids == plain[3][:n] and out.outputs[0].finish_reason == "length"
+    stop = plain[3][9]
+    out = llm.generate(prompts[3], SamplingParams(max_tokens=64, temperature=0, stop_token_ids=[stop]))[0]
+    assert out.outputs[0].token_ids == plain[3][:plain[3].index(stop) + 1]
+    assert llm.engine.stats().kv_blocks_used == 0
+
+
+# ---- a random-config Qwen3 ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=512, initializer_range=0.2)
+    root = tmp_path_factory.mktemp("qwen3")
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "target")
+    base = LLM(str(root / "target"), dtype="float32", device="cpu", skip_tokenizer_init=True, progress=False,
+               max_model_len=256)
+    draft = random_eagle3(root / "draft", base.engine.model_config, draft_vocab_size=128, std=0.3)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9, 17, 30, 5, 41, 12, 22)]
+    # repeating prompts give the n-gram drafter something to find
+    prompts += [[5, 6, 7, 8] * 6, [9, 10, 11] * 9]
+    return base, str(draft), prompts
+
+
+@pytest.mark.parametrize("kw", [dict(speculative_algorithm="NGRAM"),
+                                dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1),
+                                dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4,
+                                     speculative_num_draft_tokens=8),
+                                dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4,
+                                     speculative_num_draft_tokens=16)],
+                         ids=["ngram", "eagle3-chain", "eagle3-tree8", "eagle3-tree16"])
+def test_qwen3_greedy_equals_plain(qwen3, kw):
+    base, draft, prompts = qwen3
+    ref = [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY)]
+    if kw["speculative_algorithm"] == "EAGLE3":
+        kw["speculative_draft_model_path"] = draft
+    for max_num_seqs in (8, 1):
+        llm = spec_llm(base, max_num_seqs=max_num_seqs, **kw)
+        _check(llm, prompts, ref)
+
+
+def test_ngram_lookup_takes_the_longest_latest_match():
+    assert ngram_lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3) == [7, 5, 1]  # latest occurrence of [1 2 3]
+    assert ngram_lookup([4, 1, 2, 8, 6, 2], 2, min_n=1, max_n=3) == [8, 6]  # falls back to a 1-gram
+    assert ngram_lookup([1, 2, 3, 4], 3) == []
