@@ -96,7 +96,7 @@ def test_tree_accepting_later_siblings_keeps_the_right_kv(smol_llm, prompts, pla
 
 
 def test_preemption_and_chunked_prefill_with_eagle3(smol_llm, prompts, plain):
-    llm = spec_llm(smol_llm, max_model_len=256, num_kv_blocks=16, block_size=16, max_num_batched_tokens=40,
+    llm = spec_llm(smol_llm, max_model_len=256, num_kv_blocks=24, block_size=16, max_num_batched_tokens=40,
                    speculative_algorithm="EAGLE3", speculative_draft_model_path=str(DEFAULT_EAGLE3_DRAFT),
                    speculative_eagle_topk=4, speculative_num_draft_tokens=8)
     outs = llm.generate(prompts[:6], GREEDY)
