@@ -40,3 +40,37 @@ class OracleTreeDrafter(Drafter):
                 parent = len(tokens) - 1
             trees.append(DraftTree(tokens, parents))
         return trees
+
+
+def write_random_eagle(out, target_cfg, *, layers: int = 1, intermediate: int = 64, std: float = 0.2, seed: int = 0):
+    """A random EAGLE (v1/v2, SGLang's LlamaForCausalLMEagle) draft for a target config."""
+    import json
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    h, heads, kv, d = target_cfg.hidden_size, target_cfg.num_heads, target_cfg.num_kv_heads, target_cfg.head_dim
+    cfg = {"architectures": ["LlamaForCausalLMEagle"], "model_type": "llama", "vocab_size": target_cfg.vocab_size,
+           "hidden_size": h, "intermediate_size": intermediate, "num_hidden_layers": layers,
+           "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d, "rms_norm_eps": 1e-6,
+           "max_position_embeddings": 512, "rope_theta": target_cfg.rope_theta}
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * std
+
+    sd = {"fc.weight": w(h, 2 * h), "fc.bias": w(h)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        sd.update({p + "self_attn.q_proj.weight": w(heads * d, h), p + "self_attn.k_proj.weight": w(kv * d, h),
+                   p + "self_attn.v_proj.weight": w(kv * d, h), p + "self_attn.o_proj.weight": w(h, heads * d),
+                   p + "mlp.gate_proj.weight": w(intermediate, h), p + "mlp.up_proj.weight": w(intermediate, h),
+                   p + "mlp.down_proj.weight": w(h, intermediate), p + "post_attention_layernorm.weight": torch.ones(h)})
+        if i > 0:
+            sd[p + "input_layernorm.weight"] = torch.ones(h)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"))
+    return out

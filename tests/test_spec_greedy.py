@@ -171,3 +171,17 @@ def test_ngram_lookup_takes_the_longest_latest_match():
     assert ngram_lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3) == [7, 5, 1]  # latest occurrence of [1 2 3]
     assert ngram_lookup([4, 1, 2, 8, 6, 2], 2, min_n=1, max_n=3) == [8, 6]  # falls back to a 1-gram
     assert ngram_lookup([1, 2, 3, 4], 3) == []
+
+
+@pytest.mark.parametrize("topk,n", [(1, None), (3, 8)], ids=["chain", "tree8"])
+def test_qwen3_greedy_with_an_eagle_v1_head(qwen3, tmp_path, topk, n):
+    """EAGLE (v1/v2) heads: fc over [embedding; the target's final hidden], target lm_head."""
+    from spec_utils import write_random_eagle
+
+    base, _, prompts = qwen3
+    ref = [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY)]
+    draft = write_random_eagle(tmp_path / "eagle", base.engine.model_config, layers=2)
+    llm = spec_llm(base, max_num_seqs=8, speculative_algorithm="EAGLE", speculative_draft_model_path=str(draft),
+                   speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
+    assert llm.engine.spec.drafter.aux_layer_ids == ()  # reads the final normed hidden state
+    _check(llm, prompts, ref)
