@@ -54,6 +54,16 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
+def _is_default_model(path: Path) -> bool:
+    """Is this the default model (whose bundled drafts apply)?"""
+    from .loader.model_loader import default_model_path
+
+    try:
+        return Path(path).resolve() == default_model_path().resolve()
+    except ConfigError:
+        return False
+
+
 class LLMEngine:
     def __init__(self, model: str | Path | None = None, *, dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "auto", max_model_len: int | None = None,
@@ -101,7 +111,7 @@ class LLMEngine:
 
         self.spec = build_spec_worker(
             self, speculative_algorithm, speculative_draft_model_path, speculative_num_steps,
-            speculative_eagle_topk, speculative_num_draft_tokens, default_model=model is None and loaded is None,
+            speculative_eagle_topk, speculative_num_draft_tokens, default_model=_is_default_model(loaded.path),
             ddtree_budget=speculative_ddtree_budget)
         # GPU fast path (tercel.graphs): decode steps replay CUDA graphs captured now; inputs go up in one copy.
         self.graph_runner = None

@@ -185,3 +185,15 @@ def test_qwen3_greedy_with_an_eagle_v1_head(qwen3, tmp_path, topk, n):
                    speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
     assert llm.engine.spec.drafter.aux_layer_ids == ()  # reads the final normed hidden state
     _check(llm, prompts, ref)
+
+
+def test_default_model_gets_its_bundled_eagle3_head(smol_llm):
+    from tercel.cli import build_parser, speculative_kwargs
+
+    llm = spec_llm(smol_llm, speculative_algorithm="EAGLE3")  # no draft path: the bundled head
+    assert llm.engine.spec_config.draft_model_path == DEFAULT_EAGLE3_DRAFT
+    assert llm.engine.spec.drafter.aux_layer_ids == (1, 14, 26)  # SmolLM2's 30 layers: low / mid / high
+    gen = lambda *a: speculative_kwargs(build_parser().parse_args(["generate", *a]))["speculative_algorithm"]  # noqa: E731
+    assert gen() == "EAGLE3"  # tercel generate on the default model: EAGLE3 out of the box
+    assert gen("--model", "x.gguf") is None and gen("--speculative-algorithm", "NONE") is None
+    assert gen("--model", "x.gguf", "--speculative-algorithm", "ngram") == "NGRAM"
