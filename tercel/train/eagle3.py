@@ -129,8 +129,10 @@ def ttt_loss(model: EagleDraftModel, embed: torch.Tensor, aux: torch.Tensor, tar
 
 
 class Eagle3Trainer:
-    def __init__(self, cfg: Eagle3TrainConfig) -> None:
+    def __init__(self, cfg: Eagle3TrainConfig, llm=None) -> None:
+        """llm: an already loaded target (tercel.LLM) to use instead of loading cfg.target."""
         self.cfg = cfg
+        self.llm = llm
         self.out = Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
 
@@ -184,7 +186,7 @@ class Eagle3Trainer:
     def train(self) -> Path:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        llm = self._load_target()
+        llm = self.llm or self._load_target()
         eng = llm.engine
         dev = eng.device
         samples = [s for s in self.dataset(llm) if len(s.response) > 2]
