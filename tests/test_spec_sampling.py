@@ -2,7 +2,7 @@
 of the first three generated tokens, computed by enumeration under the request's filters, matches the
 empirical one from EAGLE-3 chains (draft tokens SAMPLED from q, standard rejection) and EAGLE-3 trees
 (deterministic top-k siblings, recursive multi-candidate rejection), at T=1, T=0.7 + top-p 0.9 and
-top-k 5 (chi-square, p > 0.01, 20,000 seeded requests batched 2,000 at a time)."""
+top-k 5, and (tree) penalties + min-p (chi-square, p > 0.01, 20,000 seeded requests batched 2,000 at a time)."""
 from __future__ import annotations
 
 import itertools
@@ -38,6 +38,8 @@ def tiny(tmp_path_factory):
 
 def _exact_joint(hf, params: SamplingParams) -> torch.Tensor:
     """P(t1, t2, t3) by enumeration, float64: [V, V, V]."""
+    if params.has_penalties:
+        return _exact_joint_with_penalties(hf, params)
     with torch.no_grad():
         p1 = filter_logits(hf(torch.tensor([PROMPT])).logits[0, -1].double(), params).softmax(-1)
         ctx2 = torch.tensor([PROMPT + [a] for a in range(VOCAB)])
@@ -47,11 +49,36 @@ def _exact_joint(hf, params: SamplingParams) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
+def _exact_joint_with_penalties(hf, params: SamplingParams) -> torch.Tensor:
+    """Penalties depend on the tokens generated so far: evaluate the plain sampler's distribution
+    (tercel.sampling.target_probs) after every enumerated prefix."""
+    from tercel.outputs import RequestMetrics
+    from tercel.request import Request
+    from tercel.sampling import target_probs
+
+    def probs(logits, out):
+        req = Request("r", None, list(PROMPT), params, torch.Generator(), RequestMetrics(0.0), output_token_ids=out)
+        return target_probs(logits, req)
+
+    joint = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.float64)
+    with torch.no_grad():
+        p1 = probs(hf(torch.tensor([PROMPT])).logits[0, -1].double(), [])
+        l2 = hf(torch.tensor([PROMPT + [a] for a in range(VOCAB)])).logits[:, -1].double()
+        l3 = hf(torch.tensor([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)])).logits[:, -1].double()
+        for a in range(VOCAB):
+            p2 = probs(l2[a], [a])
+            for b in range(VOCAB):
+                joint[a, b] = p1[a] * p2[b] * probs(l3[a * VOCAB + b], [a, b])
+    return joint
+
+
 FILTERS = {"T1": dict(temperature=1.0), "T0.7-top_p0.9": dict(temperature=0.7, top_p=0.9),
-           "top_k5": dict(temperature=1.0, top_k=5)}
+           "top_k5": dict(temperature=1.0, top_k=5),
+           "penalties-min_p": dict(temperature=1.0, min_p=0.05, repetition_penalty=1.5, presence_penalty=0.5,
+                                   frequency_penalty=0.3)}
 SHAPES = {"chain": dict(speculative_eagle_topk=1, speculative_num_steps=3),
           "tree": dict(speculative_eagle_topk=3, speculative_num_steps=3, speculative_num_draft_tokens=8)}
-CASES = list(itertools.product(SHAPES, FILTERS))
+CASES = [c for c in itertools.product(SHAPES, FILTERS) if c != ("chain", "penalties-min_p")]
 
 
 @pytest.mark.parametrize("shape,filt", CASES, ids=[f"{s}-{f}" for s, f in CASES])
