@@ -1,11 +1,10 @@
 """Speculative sampling is exactly lossless: on a tiny random model (vocab 16) the joint distribution
 of the first three generated tokens, computed by enumeration under the request's filters, matches the
 empirical one from EAGLE-3 chains (draft tokens SAMPLED from q, standard rejection) and EAGLE-3 trees
-(deterministic top-k siblings, recursive multi-candidate rejection), at T=1, T=0.7 + top-p 0.9 and
-top-k 5, and (tree) penalties + min-p (chi-square, p > 0.01, 20,000 seeded requests batched 2,000 at a time)."""
+(deterministic top-k siblings, recursive multi-candidate rejection): chains at T=1, T=0.7 + top-p 0.9
+and top-k 5, trees at T=1 and with penalties + min-p (chi-square, p > 0.01, 20,000 seeded requests
+batched 2,000 at a time)."""
 from __future__ import annotations
-
-import itertools
 
 import pytest
 import torch
@@ -78,7 +77,9 @@ FILTERS = {"T1": dict(temperature=1.0), "T0.7-top_p0.9": dict(temperature=0.7, t
                                    frequency_penalty=0.3)}
 SHAPES = {"chain": dict(speculative_eagle_topk=1, speculative_num_steps=3),
           "tree": dict(speculative_eagle_topk=3, speculative_num_steps=3, speculative_num_draft_tokens=8)}
-CASES = [c for c in itertools.product(SHAPES, FILTERS) if c != ("chain", "penalties-min_p")]
+# every filter through the chain (drafts sampled from q), and the tree (one-hot q) at T=1 and with
+# penalties (which depend on the path accepted so far); 5 cases keep CI time reasonable
+CASES = [("chain", "T1"), ("chain", "T0.7-top_p0.9"), ("chain", "top_k5"), ("tree", "T1"), ("tree", "penalties-min_p")]
 
 
 @pytest.mark.parametrize("shape,filt", CASES, ids=[f"{s}-{f}" for s, f in CASES])

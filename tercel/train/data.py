@@ -109,7 +109,10 @@ def build_prompts(n: int, seed: int = 0) -> list[str]:
     """About n distinct chat prompts (user messages) from offline text; the eval prompts are excluded."""
     rng = random.Random(seed)
     prompts: list[str] = []
-    for mod, name, src, doc in _stdlib_functions(n, rng):
+    functions = _stdlib_functions(n, rng)
+    # each function gives up to two prompts of different kinds when n asks for more than there are
+    reps = 2 if len(functions) < n else 1
+    for mod, name, src, doc in functions * reps:
         first = doc.strip().split("\n")[0].rstrip(".")
         kind = rng.random()
         if kind < 0.4:
