@@ -156,7 +156,7 @@ class SpecWorker:
                 self._free_unused_blocks(r)
                 alive.append(i)
             outputs.append(eng._make_output(r))
-        if moves:
+        if moves:  # (a source may sit in a block just freed: nothing allocates before this copy)
             src = torch.tensor([m[0] for m in moves], device=eng.device)
             dst = torch.tensor([m[1] for m in moves], device=eng.device)
             eng.kv.k[:, dst] = eng.kv.k[:, src]
