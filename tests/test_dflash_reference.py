@@ -11,7 +11,7 @@ from tercel.spec import DEFAULT_DFLASH_DRAFT
 
 ref_model = pytest.importorskip("dflash.model", reason="the dflash reference package is not installed")
 
-NEW_TOKENS = 48
+NEW_TOKENS = 32
 
 
 def test_greedy_tokens_and_accept_lengths_equal_the_reference(smol_llm, smol_hf, smol_chat_ids, monkeypatch):
