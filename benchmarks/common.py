@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).parent / "results"
+# TERCEL_RESULTS_DIR redirects result files (e.g. to $OUT on the device machine)
+RESULTS = Path(os.environ.get("TERCEL_RESULTS_DIR") or Path(__file__).parent / "results")
 
 
 def git_commit() -> str:

@@ -38,6 +38,9 @@ EVAL_CODE_PROMPTS = [
     "Write a JavaScript function that debounces another function.", "Write a Python function for binary search.",
 ]
 
+# KV pool of a target loaded only to compute training features (the dataset already exists)
+LIGHT_KV_BYTES = 256 << 20
+
 _TOPICS = [
     "the ocean", "volcanoes", "the history of Rome", "black holes", "photosynthesis", "the French Revolution",
     "machine learning", "honey bees", "the water cycle", "climate change", "the Moon landing", "coffee",

@@ -137,7 +137,7 @@ def train_dflash(target: LlamaForCausalLM, data: list[Sample], out_dir: str | Pa
     ids = dcfg.target_layer_ids
     cached = _cache_features(target, usable, tuple(sorted(ids)), device, progress) if cache_features else None
     bar = tqdm(range(start, end), initial=start, total=cfg.steps, desc="train dflash", disable=not progress)
-    ids = dcfg.target_layer_ids
+    history: list[dict] = []  # every 50 steps: loss and per-position accuracy, for train_log.json
     for step in bar:
         # cosine decay over the steps, or over the time budget when that ends the run first
         done = step / cfg.steps
@@ -167,6 +167,9 @@ def train_dflash(target: LlamaForCausalLM, data: list[Sample], out_dir: str | Pa
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
         bar.set_postfix(loss=f"{loss_total:.3f}", acc1=f"{acc_mean[0]:.2f}", lr=f"{lr:.1e}")
+        if (step + 1) % 50 == 0:
+            history.append({"step": step + 1, "loss": round(loss_total, 4), "acc": [round(a, 3) for a in acc_mean],
+                            "elapsed_s": round(time.monotonic() - started, 1)})
         out_of_time = time_budget_s is not None and time.monotonic() - started > time_budget_s
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end or out_of_time:
             torch.save({"model": draft.state_dict(), "optimizer": opt.state_dict(), "step": step + 1,
@@ -175,6 +178,8 @@ def train_dflash(target: LlamaForCausalLM, data: list[Sample], out_dir: str | Pa
             log.warning("time budget of %.0f s reached at step %d of %d", time_budget_s, step + 1, cfg.steps)
             break
     save_dflash(draft, cfg_dict, out, {"train_config": json.dumps(asdict(cfg), default=str)})
+    (out / "train_log.json").write_text(json.dumps({"config": asdict(cfg), "num_samples": len(usable),
+                                                    "history": history}, indent=1, default=str))
     return out
 
 
@@ -213,13 +218,16 @@ def run_training(target: str | None, out: str | Path, device: str = "auto", num_
     """The whole job behind `tercel train-draft --algorithm dflash`: data (generated once, kept in
     out/data.pt), then training (resumable from out/trainer_state.pt)."""
     from ..llm import LLM
-    from .data import build_prompts, generate_responses, load_samples, save_samples
+    from .data import LIGHT_KV_BYTES, build_prompts, generate_responses, load_samples, save_samples
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    llm = LLM(target, device=device, max_model_len=max_len + max_new_tokens, max_num_seqs=gen_batch, seed=seed)
-    model, dev = llm.engine.model, llm.engine.device
     data_path = out / "data.pt"
+    # with the dataset already on disk the target only computes features: no KV pool, no graphs
+    light = dict(kv_cache_memory=LIGHT_KV_BYTES, disable_cuda_graph=True) if data_path.is_file() else {}
+    llm = LLM(target, device=device, max_model_len=max_len + max_new_tokens, max_num_seqs=gen_batch, seed=seed,
+              **light)
+    model, dev = llm.engine.model, llm.engine.device
     if data_path.is_file():
         samples = load_samples(data_path)
     else:

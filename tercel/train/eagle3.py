@@ -32,7 +32,8 @@ from tqdm import tqdm
 
 from ..models.eagle3 import EagleDraftConfig, EagleDraftModel, default_eagle3_layer_ids
 from ..models.rope import apply_rope
-from .data import Sample, build_prompts, generate_responses, load_samples, pack_batch, save_samples, target_features
+from .data import (LIGHT_KV_BYTES, Sample, build_prompts, generate_responses, load_samples, pack_batch, save_samples,
+                   target_features)
 from .export import eagle3_config_dict, eagle3_tensors, save_eagle3
 
 log = logging.getLogger(__name__)
@@ -140,9 +141,12 @@ class Eagle3Trainer:
         from ..llm import LLM
 
         cfg = self.cfg
+        # with the dataset already on disk the target only computes features: no KV pool, no graphs
+        have_data = (self.out / "data.pt").is_file()
+        light = dict(kv_cache_memory=LIGHT_KV_BYTES, disable_cuda_graph=True) if have_data else {}
         return LLM(cfg.target, device=cfg.device, max_model_len=max(cfg.max_len + cfg.ttt_steps + 8, 1024),
                    max_num_seqs=cfg.gen_max_num_seqs, max_num_batched_tokens=max(8192, cfg.gen_max_num_seqs * 4),
-                   progress=False)
+                   progress=False, **light)
 
     def dataset(self, llm) -> list[Sample]:
         path = self.out / "data.pt"
