@@ -1,7 +1,7 @@
 """Optional GPU kernels (Triton). Importing this package never fails: without triton (or CUDA)
 `TRITON_AVAILABLE` is False and callers keep their PyTorch path.
 
-`use_triton(t)` is the one switch the model and attention code consult; TERCEL_DISABLE_TRITON=1
+`use_triton(t, *params)` is the one switch the model and attention code consult; TERCEL_DISABLE_TRITON=1
 turns every kernel off (debugging: compare against the PyTorch path on the same GPU).
 """
 from __future__ import annotations
@@ -25,6 +25,10 @@ def triton_enabled() -> bool:
     return TRITON_AVAILABLE and os.environ.get("TERCEL_DISABLE_TRITON", "0") != "1"
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    """True when a kernel should run on this tensor: on CUDA, or anywhere under TRITON_INTERPRET=1."""
+def use_triton(t: torch.Tensor, *params: torch.Tensor) -> bool:
+    """True when a kernel should run on this tensor: on CUDA, or anywhere under TRITON_INTERPRET=1.
+    Never while autograd records through t or params (draft training): the kernels have no backward,
+    and running them would silently cut the gradient."""
+    if torch.is_grad_enabled() and (t.requires_grad or any(p.requires_grad for p in params)):
+        return False
     return triton_enabled() and (t.is_cuda or _INTERPRET)

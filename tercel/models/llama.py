@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(x):
+        if use_triton(x, self.weight):
             from ..kernels.fused import rms_norm
             return rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused kernel, bit-identical to the formula below in fp32
@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): the residual add fused into the norm on the GPU."""
-        if use_triton(x):
+        if use_triton(x, residual, self.weight):
             from ..kernels.fused import add_rms_norm
             return add_rms_norm(x, residual, self.weight, self.eps)
         residual = residual + x

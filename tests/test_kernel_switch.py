@@ -1,0 +1,44 @@
+"""The Triton switch (tercel.kernels.use_triton) must never run a kernel that has no backward while
+autograd records: draft training on the GPU would silently lose the gradient through every norm."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tercel.kernels as kernels
+
+
+@pytest.fixture
+def kernels_on(monkeypatch):
+    # pretend a kernel could run here (CPU tensors count under the interpreter switch)
+    monkeypatch.setattr(kernels, "triton_enabled", lambda: True)
+    monkeypatch.setattr(kernels, "_INTERPRET", True)
+
+
+def test_kernels_used_for_inference(kernels_on):
+    x, w = torch.randn(2, 8), torch.ones(8)
+    assert kernels.use_triton(x, w)
+    with torch.no_grad():
+        assert kernels.use_triton(x, torch.ones(8, requires_grad=True))
+
+
+def test_kernels_skipped_when_grad_is_recorded(kernels_on):
+    x = torch.randn(2, 8)
+    assert not kernels.use_triton(x.requires_grad_(), torch.ones(8))
+    assert not kernels.use_triton(torch.randn(2, 8), torch.ones(8, requires_grad=True))  # a trained norm weight
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_eagle3_draft_gets_gradients_on_cuda():
+    from tercel.config import ModelConfig
+    from tercel.models.llama import MLP, RMSNorm
+
+    norm = RMSNorm(64, 1e-6).cuda()
+    cfg = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+                                    "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                    "vocab_size": 32, "max_position_embeddings": 64}, "test")
+    mlp = MLP(cfg).cuda()
+    x = torch.randn(4, 64, device="cuda", requires_grad=True)
+    mlp(norm(x)).square().sum().backward()
+    assert x.grad is not None and norm.weight.grad is not None and mlp.gate_up_proj.weight.grad is not None
+    assert norm.weight.grad.abs().sum() > 0
