@@ -11,6 +11,7 @@ import time
 from common import environment, write_result
 
 from tercel import LLM, SamplingParams
+from tercel.engine import LLMEngine
 from tercel.train.data import EVAL_CHAT_PROMPTS, EVAL_CODE_PROMPTS
 
 
@@ -22,7 +23,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--name", default="dflash_accept_smollm2")
     args = ap.parse_args()
-    base = LLM(args.model, device=args.device, progress=False, speculative_algorithm="NONE")
+    # one load of the target shared by every engine, each with a fixed KV pool (several share the device)
+    base = LLM(args.model, device=args.device, progress=False, speculative_algorithm="NONE", kv_cache_memory=1 << 30)
     tok = base.tokenizer
     sets = {"chat": EVAL_CHAT_PROMPTS, "code": EVAL_CODE_PROMPTS}
     prompts = {k: [tok.apply_chat_template([{"role": "user", "content": p}]) for p in v] for k, v in sets.items()}
@@ -32,9 +34,11 @@ def main() -> None:
                ("DDTREE", 16, 16, 0.0), ("DDTREE", 16, 32, 0.0), ("DFLASH", 16, None, 1.0)]
     rows = []
     for algo, block, budget, temp in configs:
-        llm = LLM(args.model, device=args.device, progress=False, speculative_algorithm=algo,
-                  speculative_draft_model_path=args.draft, speculative_num_draft_tokens=block,
-                  speculative_ddtree_budget=budget)
+        llm = LLM.__new__(LLM)
+        llm.engine = LLMEngine(loaded=base.engine.loaded, device=base.engine.device, dtype=base.engine.dtype,
+                               kv_cache_memory=1 << 30, speculative_algorithm=algo,
+                               speculative_draft_model_path=args.draft, speculative_num_draft_tokens=block,
+                               speculative_ddtree_budget=budget)
         row = {"algorithm": algo, "block_size": block, "ddtree_budget": budget, "temperature": temp}
         for kind, ps in prompts.items():
             params = SamplingParams(max_tokens=args.max_tokens, temperature=temp, seed=0)

@@ -1,5 +1,6 @@
 """Batch-1 linear layers at Llama-3.1-8B shapes: cuBLAS (F.linear) vs the Triton GEMV, achieved
-bandwidth (weight bytes / time) against the measured copy bandwidth. Decides whether the model
+bandwidth (weight bytes / time) against the measured copy bandwidth, timed both launch by launch
+and inside one CUDA graph (the decode step's case: no host launch overhead between kernels). Decides whether the model
 routes M == 1 linears through tercel.kernels.gemv. Usage: PYTHONPATH=. python benchmarks/gemv_probe.py"""
 from __future__ import annotations
 
@@ -30,6 +31,26 @@ def bench(fn, reps=50, rotate=None):
     return a.elapsed_time(b) / reps / 1e3
 
 
+def bench_graph(fn, reps=50, rotate=1):
+    """Kernel time without host launch overhead: `reps` calls captured in one CUDA graph, replayed
+    (as the decode step runs them)."""
+    for i in range(3):
+        fn(i % rotate)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(reps):
+            fn(i % rotate)
+    g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(5):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / (5 * reps) / 1e3
+
+
 def main():
     out = {}
     for name, (n, k) in SHAPES.items():
@@ -51,9 +72,13 @@ def main():
             if best is None or t < best[0]:
                 best = (t, cfg, err)
         nbytes = n * k * 2
-        row = {"cublas_us": round(t_cublas * 1e6, 2), "cublas_TBps": round(nbytes / t_cublas / 1e12, 3)}
+        g_cublas = bench_graph(lambda i: F.linear(x, ws[i]), rotate=len(ws))
+        row = {"cublas_us": round(t_cublas * 1e6, 2), "cublas_TBps": round(nbytes / t_cublas / 1e12, 3),
+               "cublas_graph_us": round(g_cublas * 1e6, 2), "cublas_graph_TBps": round(nbytes / g_cublas / 1e12, 3)}
         if best:
+            g_triton = bench_graph(lambda i: gemv(x, ws[i], **best[1]), rotate=len(ws))
             row.update(triton_us=round(best[0] * 1e6, 2), triton_TBps=round(nbytes / best[0] / 1e12, 3),
+                       triton_graph_us=round(g_triton * 1e6, 2), triton_graph_TBps=round(nbytes / g_triton / 1e12, 3),
                        triton_cfg=best[1], triton_rel_err=best[2])
         out[name] = row
         print(name, row, flush=True)

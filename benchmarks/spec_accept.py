@@ -15,6 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import environment  # noqa: E402
 
+KV_BYTES = 1 << 30
 CONFIGS = [  # (name, algorithm, num_steps, topk, num_draft_tokens)
     ("eagle3-chain-5", "EAGLE3", 5, 1, None),
     ("eagle3-tree-topk4-16", "EAGLE3", 5, 4, 16),
@@ -27,13 +28,14 @@ def run(model, draft, device, max_tokens, temps, configs) -> dict:
     from tercel.engine import LLMEngine
     from tercel.train.data import EVAL_CHAT_PROMPTS, EVAL_CODE_PROMPTS
 
-    base = LLM(model, device=device, progress=False)
+    # a fixed KV pool per engine: several engines share the device (the default takes most of free GPU memory)
+    base = LLM(model, device=device, progress=False, kv_cache_memory=KV_BYTES)
     tok = base.tokenizer
     sets = {"chat": EVAL_CHAT_PROMPTS, "code": EVAL_CODE_PROMPTS}
     results = {}
     for name, algo, steps, topk, n in configs:
         llm = LLM.__new__(LLM)
-        llm.engine = LLMEngine(loaded=base.engine.loaded, device=device, dtype=base.engine.dtype,
+        llm.engine = LLMEngine(loaded=base.engine.loaded, device=device, dtype=base.engine.dtype, kv_cache_memory=KV_BYTES,
                                speculative_algorithm=algo, speculative_draft_model_path=draft if algo != "NGRAM" else None,
                                speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
         for temp in temps:

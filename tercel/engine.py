@@ -75,7 +75,7 @@ class LLMEngine:
                  speculative_eagle_topk: int | None = None, speculative_num_draft_tokens: int | None = None,
                  speculative_ddtree_budget: int | None = None, disable_cuda_graph: bool = False,
                  cuda_graph_max_bs: int | None = None, cuda_graph_bs: list[int] | None = None,
-                 cuda_graph_backend: str = "full") -> None:
+                 cuda_graph_backend: str = "full", tune_gemv: bool = True) -> None:
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.device)
         self.rng = torch.Generator().manual_seed(seed)
@@ -116,10 +116,20 @@ class LLMEngine:
         # GPU fast path (tercel.graphs): decode steps replay CUDA graphs captured now; inputs go up in one copy.
         self.graph_runner = None
         self._stager = None
+        self.gemv_choices = None
         if self.device.type == "cuda":
             from .graphs.staging import HostStager
 
             self._stager = HostStager(self.device)
+            # batch-1 linears: cuBLAS or the Triton GEMV, whichever this GPU runs faster (measured once per model)
+            self.gemv_choices = getattr(self.model, "gemv_choices", None)
+            if tune_gemv and self.gemv_choices is None and self.dtype in (torch.bfloat16, torch.float16):
+                from .kernels import triton_enabled
+
+                if triton_enabled():
+                    from .kernels.gemv_tune import tune_model
+
+                    self.gemv_choices = self.model.gemv_choices = tune_model(self.model)
             if not disable_cuda_graph:
                 from .graphs import GraphConfig
                 from .graphs.steps import decode_graph_runner

@@ -176,7 +176,31 @@ def check_extend(device: str, dtype: torch.dtype) -> None:
                 assert err < _tol(dtype), (use_mask, window, b, err)
 
 
-ALL = [check_norms, check_rope_store, check_decode, check_extend]
+def check_gemv(device: str, dtype: torch.dtype) -> None:
+    """The batch-1 GEMV, one and several K splits, ragged N and K, and the model's routing to it."""
+    from tercel.kernels.gemv import GemvConfig, gemv
+    from tercel.models.linear import Linear
+
+    g = torch.Generator(device="cpu").manual_seed(5)
+    for n, k in [(96, 256), (77, 300), (40, 1000)]:
+        w = torch.randn(n, k, generator=g).to(device, dtype)
+        x = torch.randn(1, k, generator=g).to(device, dtype)
+        ref = F.linear(x.double(), w.double())
+        for c in [GemvConfig(block_n=8, block_k=128), GemvConfig(block_n=16, block_k=64, split_k=3),
+                  GemvConfig(block_n=4, block_k=128, split_k=4, num_warps=8)]:
+            y = gemv(x, w, c)
+            assert y.shape == (1, n) and y.dtype == dtype
+            assert _rel(y, ref) < _tol(dtype), (n, k, c)
+    lin = Linear(64, 48, bias=False).to(device, dtype)
+    lin.gemv = GemvConfig(block_n=8, block_k=32, split_k=2)
+    x = torch.randn(1, 64, generator=g).to(device, dtype)
+    with torch.no_grad():
+        assert _rel(lin(x), F.linear(x.double(), lin.weight.double())) < _tol(dtype)
+        x3 = torch.randn(3, 64, generator=g).to(device, dtype)  # several rows: cuBLAS
+        assert torch.equal(lin(x3), F.linear(x3, lin.weight))
+
+
+ALL = [check_norms, check_rope_store, check_decode, check_extend, check_gemv]
 
 
 def run_all(device: str, dtype: torch.dtype) -> None:
