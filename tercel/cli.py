@@ -21,7 +21,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed)")
     g.add_argument("--num-scheduler-steps", type=int, default=1,
-                   help="greedy decode steps run back to back per host sync (default 1; e.g. 8 on a GPU)")
+                   help="decode steps run back to back per host sync (default 1; e.g. 8 on a GPU)")
     c = p.add_argument_group("CUDA graphs (GPU only)")
     c.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly")
     c.add_argument("--cuda-graph-max-bs", type=int, default=None,

@@ -3,11 +3,12 @@
 One step serves a mixed batch: prefill chunks and decodes of many requests, packed flat.
 
 Multi-step decode (num_scheduler_steps = N > 1, vLLM's idea): when every running request is decoding
-greedily, one step runs up to N forwards back to back with no host sync between them. The token
-argmax'ed at forward s stays on the device and is the input of forward s+1; positions, KV slots,
-seq lens and block tables of all N forwards are known up front (the scheduler reserves the slots)
-and go up in one upload. One sync at the end brings the N x B tokens back; they are appended one by
-one with the usual stop checks, so outputs equal single-step decoding, delivered in bursts.
+and needs no host data per step (no penalties, logprobs or pending min_tokens), one step runs up to
+N forwards back to back with no host sync between them. The token chosen at forward s stays on the
+device and is the input of forward s+1; positions, KV slots, seq lens and block tables of all N
+forwards are known up front (the scheduler reserves the slots) and go up in one upload. One sync at
+the end brings the N x B tokens back; they are appended one by one with the usual stop checks, so
+outputs equal single-step decoding, delivered in bursts.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from .kv import KVCacheSpec, PagedKVCache, blocks_for_budget
 from .loader.model_loader import LoadedModel, load_model, parse_dtype
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request, RequestStatus
-from .sampling import Sampler
+from .sampling import Sampler, sample_on_device
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledRequest, Scheduler
 from .detokenizer import update_text
@@ -63,7 +64,7 @@ class DecodeWindow:
 def check_num_scheduler_steps(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ConfigError(f"num_scheduler_steps={value!r} must be an integer >= 1 (1: one decode step per "
-                          f"host sync; e.g. 8 runs up to 8 greedy decode steps per sync).")
+                          f"host sync; e.g. 8 runs up to 8 decode steps per sync).")
     return int(value)
 
 
@@ -267,12 +268,12 @@ class LLMEngine:
     # ---- multi-step decode -----------------------------------------------------------------
     @staticmethod
     def _window_eligible(req: Request) -> bool:
-        """Can this request's next tokens be chosen on the device, with no host data per step?
-        Greedy only: seeded sampling draws its noise from a host generator, penalties count the
-        tokens just sampled, logprobs are computed per step, min_tokens masks stop ids until reached."""
+        """Can this request's next tokens be chosen on the device, with no host data per step? Not with
+        penalties (they count the tokens just sampled), logprobs (computed per step on the host) or
+        min_tokens still to reach (stop ids masked by count). Sampling is fine: its noise comes from
+        the request's host generator in the same order as single steps would draw it."""
         p = req.params
-        return (p.greedy and not p.has_penalties and p.logprobs is None
-                and len(req.output_token_ids) >= p.min_tokens)
+        return not p.has_penalties and p.logprobs is None and len(req.output_token_ids) >= p.min_tokens
 
     def _window_steps(self) -> int:
         """Forwards the next step may run without a host sync: 1 unless multi-step applies. Never past a
@@ -310,15 +311,19 @@ class LLMEngine:
                             seq_lens_cpu=[seq_lens[i * b:(i + 1) * b] for i in range(num_steps)])
 
     def _multi_step(self, scheduled: list[ScheduledRequest], num_steps: int) -> list[RequestOutput]:
-        """num_steps greedy decode forwards, each replaying the decode graph, fed on the device."""
+        """num_steps decode forwards, each replaying the decode graph, each fed the tokens the previous one
+        chose on the device (argmax; sampled requests: the exponential race with host-drawn noise)."""
         reqs = [s.request for s in scheduled]
         window = self._build_window(reqs, num_steps)
+        sampled_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         ids = window.first_ids
         step_tokens: list[torch.Tensor] = []
         for step in range(num_steps):
             out = self.run_model(window.batch(step, ids))
-            # argmax before the next replay overwrites the graph's logits; same op as Sampler's greedy path
+            # choose before the next replay overwrites the graph's logits; the same ops as Sampler.sample
             ids = out.logits.argmax(-1)
+            for i in sampled_rows:
+                ids[i] = sample_on_device(out.logits[i], reqs[i])
             step_tokens.append(ids)
         tokens = torch.stack(step_tokens).tolist()  # the window's one device -> host sync
         outputs = []

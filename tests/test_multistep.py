@@ -1,8 +1,8 @@
 """Multi-step decode (num_scheduler_steps = N) gives exactly the outputs of one step per sync:
 the same tokens, finish reasons, text and stream deltas, with requests of mixed lengths, finishing
 inside a window (max_tokens not a multiple of N, EOS, stop ids, stop strings), arriving while others
-decode, aborted, or preempted by a tiny KV pool; batches that need host data per step (sampling,
-penalties, logprobs) fall back to single steps; the CUDA-graph runner path (driven on CPU) replays the
+decode, aborted, or preempted by a tiny KV pool; seeded sampling included; batches that need host
+data per step (penalties, logprobs, pending min_tokens) fall back to single steps; the CUDA-graph runner path (driven on CPU) replays the
 decode graph once per forward with device-fed, padded input ids."""
 from __future__ import annotations
 
@@ -164,10 +164,23 @@ def test_tiny_kv_pool_too_small_for_windows(tiny_loaded):
     assert windows and max(preempted) > 0 and ms.stats().kv_blocks_used == 0
 
 
-def test_sampling_penalties_and_logprobs_take_single_steps(tiny_loaded):
+def test_seeded_sampling_in_windows_equals_single_step(tiny_loaded):
+    """Sampled requests draw their noise from their own generator in the same order either way."""
+    prompts = tiny_prompts(5, seed=7)
+    params = [SamplingParams(max_tokens=11 + 2 * i, temperature=0.9, top_p=0.9, seed=i) for i in range(3)] + [
+        SamplingParams(max_tokens=13, temperature=1.3, top_k=20, min_p=0.01, seed=9),
+        SamplingParams(max_tokens=10, temperature=0)]
+    want = run(tiny_engine(tiny_loaded, 1), prompts, params)
+    ms = tiny_engine(tiny_loaded, N)
+    windows = count_windows(ms)
+    assert run(ms, prompts, params) == want
+    assert windows and max(windows) == N
+
+
+def test_penalties_logprobs_and_min_tokens_take_single_steps(tiny_loaded):
     prompts = tiny_prompts(4, seed=5)
-    for special in (SamplingParams(max_tokens=9, temperature=0.8, seed=3),
-                    SamplingParams(max_tokens=9, temperature=0, repetition_penalty=1.3),
+    for special in (SamplingParams(max_tokens=9, temperature=0, repetition_penalty=1.3),
+                    SamplingParams(max_tokens=9, temperature=0.7, frequency_penalty=0.5, seed=1),
                     SamplingParams(max_tokens=9, temperature=0, logprobs=2),
                     SamplingParams(max_tokens=9, temperature=0, min_tokens=30)):
         params = [SamplingParams(max_tokens=9, temperature=0)] * 3 + [special]
@@ -176,8 +189,8 @@ def test_sampling_penalties_and_logprobs_take_single_steps(tiny_loaded):
         windows = count_windows(ms)
         assert run(ms, prompts, params) == want
         assert windows == []  # the special request is in every decode batch until it finishes last
-    # once the special one has finished, the greedy rest run windows
-    params = [SamplingParams(max_tokens=20, temperature=0)] * 3 + [SamplingParams(max_tokens=3, temperature=1.0)]
+    # once the special one has finished, the rest run windows
+    params = [SamplingParams(max_tokens=20, temperature=0)] * 3 + [SamplingParams(max_tokens=3, logprobs=1)]
     ms = tiny_engine(tiny_loaded, N)
     windows = count_windows(ms)
     assert run(ms, prompts, params) == run(tiny_engine(tiny_loaded, 1), prompts, params)
@@ -234,6 +247,16 @@ def test_smollm2_greedy_text_and_stream_equal_single_step(smol_llm, smol_prompts
     assert windows and any(w[2] is not None for w in want)  # some stop strings / ids fired
     for tokens, _, _, text, streamed_ids, streamed_text in got:
         assert streamed_ids == tokens and streamed_text == text
+
+
+def test_smollm2_seeded_sampling_equals_single_step(smol_llm, smol_prompts):
+    params = [SamplingParams(max_tokens=14 + i, temperature=0.8, top_p=0.95, seed=10 + i, stop=["\n\n"])
+              for i in range(4)]
+    want = run(smol_engine(smol_llm, 1), smol_prompts[:4], params)
+    ms = smol_engine(smol_llm, N)
+    windows = count_windows(ms)
+    assert run(ms, smol_prompts[:4], params) == want
+    assert windows
 
 
 def test_smollm2_preemption_with_windows(smol_llm, smol_prompts):

@@ -96,7 +96,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of free GPU memory for the KV cache (default 0.85)")
     e.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own seed")
     e.add_argument("--num-scheduler-steps", type=_positive_int, default=1,
-                   help="greedy decode steps run per host sync (default 1; e.g. 8 on a GPU)")
+                   help="decode steps run back to back per host sync (default 1; e.g. 8 on a GPU)")
     d = p.add_argument_group("speculative decoding (passed to the engine only when given)")
     d.add_argument("--speculative-algorithm", default=None, help="NGRAM, EAGLE, EAGLE3, DFLASH or DDTREE")
     d.add_argument("--speculative-draft-model-path", default=None, help="draft model directory or .gguf file")
