@@ -50,10 +50,6 @@ class DecodeWindow:
     logits_indices: torch.Tensor  # [B]
     seq_lens_cpu: list[list[int]]  # [num_steps][B], host copy
 
-    @property
-    def num_steps(self) -> int:
-        return len(self.seq_lens_cpu)
-
     def batch(self, step: int, input_ids: torch.Tensor) -> ForwardBatch:
         lens = self.seq_lens_cpu[step]
         return ForwardBatch(input_ids=input_ids, positions=self.positions[step], out_cache_loc=self.out_cache_loc[step],
@@ -62,6 +58,7 @@ class DecodeWindow:
 
 
 def check_num_scheduler_steps(value: object) -> int:
+    """The validated num_scheduler_steps (an int >= 1), or a ConfigError naming the value and the fix."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ConfigError(f"num_scheduler_steps={value!r} must be an integer >= 1 (1: one decode step per "
                           f"host sync; e.g. 8 runs up to 8 decode steps per sync).")
@@ -289,9 +286,8 @@ class LLMEngine:
 
     def _build_window(self, reqs: list[Request], num_steps: int) -> DecodeWindow:
         bs = self.kv.block_size
-        first_ids, positions, slots, seq_lens = [], [], [], []
-        for r in reqs:
-            first_ids.append(r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1])
+        first_ids = [(r.output_token_ids or r.prompt_token_ids)[-1] for r in reqs]
+        positions, slots, seq_lens = [], [], []
         for step in range(num_steps):
             for r in reqs:
                 p = r.num_computed_tokens + step
