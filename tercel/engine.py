@@ -8,7 +8,9 @@ N forwards back to back with no host sync between them. The token chosen at forw
 device and is the input of forward s+1; positions, KV slots, seq lens and block tables of all N
 forwards are known up front (the scheduler reserves the slots) and go up in one upload. One sync at
 the end brings the N x B tokens back; they are appended one by one with the usual stop checks, so
-outputs equal single-step decoding, delivered in bursts.
+outputs equal single-step decoding, delivered in bursts. (A request that stops on EOS / a stop string
+inside a window keeps its row until the window ends: the batch is then one row larger than a single
+step's, which bf16 GEMMs on a GPU may round differently, like bucket padding.)
 """
 from __future__ import annotations
 
