@@ -9,7 +9,9 @@ one JSON per model (commit, GPU, torch, the exact command).
            CompileConfig(fullgraph=True, mode="reduce-overhead")
   llama8b: hidden 4096, 32 layers, 32 q / 8 kv heads, FFN 14336, vocab 128256, random weights (seeded
            normal, std 0.02, generated on the GPU and fed through load_weights), bf16, bs=1
-  both:    throughput for bs 1, 8, 32, 128, 256; host microseconds to stage one replay's inputs with
+  both:    bs=1 also with multi-step decode (--num-scheduler-steps N greedy forwards per host sync,
+           default 8; "bs1" is N=1, "bs1_multistep" is N, tokens checked equal);
+           throughput for bs 1, 8, 32, 128, 256 (N=1); host microseconds to stage one replay's inputs with
            grouped foreach copies vs one copy_ per tensor
 
 Roofline: a bs=1 decode step reads every weight once (the embedding table only where tied, as the
@@ -184,11 +186,27 @@ def bench_engine(engine, eager_engine, make_prompts, name: str, args, bw: float)
         return {"new_tokens": args.new_tokens, "tok_s": round(args.new_tokens / wall, 1),
                 "decode_tok_s": round(statistics.median(r[1] for r in runs), 1),
                 "times_s": [round(r[0], 4) for r in runs]}
+    engine.num_scheduler_steps = 1
     res["bs1"] = bs1(args.repeats)
+    res["bs1"]["num_scheduler_steps"] = 1
     if tokenizer is not None:
         engine.tokenizer = tokenizer
         res["bs1_with_detokenize"] = bs1(1)
         engine.tokenizer = None
+    if args.num_scheduler_steps > 1:  # the same rows with N greedy forwards per host sync
+        engine.num_scheduler_steps = args.num_scheduler_steps
+        multi = generate(engine, prompt, args.new_tokens)[0].outputs[0].token_ids
+        res["bs1_multistep"] = bs1(args.repeats)
+        res["bs1_multistep"]["num_scheduler_steps"] = args.num_scheduler_steps
+        res["bs1_multistep"]["tokens_equal_single_step"] = multi == got
+        res["bs1_multistep"]["roofline_fraction"] = round(
+            res["bs1_multistep"]["decode_tok_s"] / res["roofline_tok_s"], 3)
+        if tokenizer is not None:
+            engine.tokenizer = tokenizer
+            res["bs1_multistep_with_detokenize"] = bs1(1)
+            engine.tokenizer = None
+        engine.num_scheduler_steps = 1
+        print(f"[{name}] bs=1 multi-step: {res['bs1_multistep']}", flush=True)
     res["bs1"]["roofline_fraction"] = round(res["bs1"]["decode_tok_s"] / res["roofline_tok_s"], 3)
     res["bs1"]["graph_step_gpu_ms"] = round(graph_step_ms(engine.graph_runner, 1), 4)
     res["bs1"]["graph_only_roofline_fraction"] = round(
@@ -302,6 +320,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--num-scheduler-steps", type=int, default=8,
+                    help="N for the bs=1 multi-step rows (1: skip them)")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="throughput batch sizes")
     args = ap.parse_args()
     from tercel.engine import LLMEngine
@@ -364,14 +384,16 @@ def main() -> None:
         path = out_dir / f"gpu_decode_{name}.json"
         path.write_text(json.dumps(result, indent=2) + "\n")
         summary.append(result)
-    print("\nmodel      bs=1 tok/s  decode tok/s  roofline  graph-only  HF eager  HF compiled  vs HF-c")
+    print("\nmodel      bs=1 tok/s  decode tok/s  roofline  graph-only  HF eager  HF compiled  vs HF-c"
+          "  multi-step tok/s (N)")
     for r in summary:
         b = r.get("bs1", {})
         hf = r.get("hf", {})
+        m = r.get("bs1_multistep", {})
         print(f"{r['benchmark'][11:]:<10} {b.get('tok_s', '-'):>10} {b.get('decode_tok_s', '-'):>13} "
               f"{b.get('roofline_fraction', '-'):>9} {b.get('graph_only_roofline_fraction', '-'):>11} "
               f"{hf.get('eager', {}).get('tok_s', '-'):>9} {hf.get('compiled', {}).get('tok_s', '-'):>12} "
-              f"{r.get('speedup_vs_hf_compiled', '-'):>8}")
+              f"{r.get('speedup_vs_hf_compiled', '-'):>8}  {m.get('tok_s', '-')} ({m.get('num_scheduler_steps', '-')})")
     for r in summary:
         for row in r.get("throughput", []):
             print(f"{r['benchmark'][11:]:<10} bs={row['batch_size']:<4} {row['tok_s']:>10} tok/s")

@@ -20,6 +20,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed)")
+    g.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="decode steps run back to back per host sync (default 1; e.g. 8 on a GPU)")
     c = p.add_argument_group("CUDA graphs (GPU only)")
     c.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly")
     c.add_argument("--cuda-graph-max-bs", type=int, default=None,
@@ -36,7 +38,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
                 disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                cuda_graph_bs=args.cuda_graph_bs, cuda_graph_backend=args.cuda_graph_backend)
+                cuda_graph_bs=args.cuda_graph_bs, cuda_graph_backend=args.cuda_graph_backend,
+                num_scheduler_steps=args.num_scheduler_steps)
 
 
 def add_speculative_args(p: argparse.ArgumentParser, default_algorithm: str | None = None) -> None:

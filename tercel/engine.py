@@ -1,6 +1,16 @@
 """LLMEngine: add requests, step (schedule -> forward -> sample -> postprocess), abort.
 
 One step serves a mixed batch: prefill chunks and decodes of many requests, packed flat.
+
+Multi-step decode (num_scheduler_steps = N > 1, vLLM's idea): when every running request is decoding
+and needs no host data per step (no penalties, logprobs or pending min_tokens), one step runs up to
+N forwards back to back with no host sync between them. The token chosen at forward s stays on the
+device and is the input of forward s+1; positions, KV slots, seq lens and block tables of all N
+forwards are known up front (the scheduler reserves the slots) and go up in one upload. One sync at
+the end brings the N x B tokens back; they are appended one by one with the usual stop checks, so
+outputs equal single-step decoding, delivered in bursts. (A request that stops on EOS / a stop string
+inside a window keeps its row until the window ends: the batch is then one row larger than a single
+step's, which bf16 GEMMs on a GPU may round differently, like bucket padding.)
 """
 from __future__ import annotations
 
@@ -20,7 +30,7 @@ from .kv import KVCacheSpec, PagedKVCache, blocks_for_budget
 from .loader.model_loader import LoadedModel, load_model, parse_dtype
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request, RequestStatus
-from .sampling import Sampler
+from .sampling import Sampler, sample_on_device
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledRequest, Scheduler
 from .detokenizer import update_text
@@ -28,6 +38,33 @@ from .detokenizer import update_text
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass(slots=True)
+class DecodeWindow:
+    """Device inputs of a multi-step decode window: num_steps forwards over the same requests."""
+
+    first_ids: torch.Tensor  # [B]: each request's last token, the input of forward 0
+    positions: torch.Tensor  # [num_steps, B]
+    out_cache_loc: torch.Tensor  # [num_steps, B]
+    seq_lens: torch.Tensor  # [num_steps, B]
+    block_tables: torch.Tensor  # [B, width]: covers the whole window
+    logits_indices: torch.Tensor  # [B]
+    seq_lens_cpu: list[list[int]]  # [num_steps][B], host copy
+
+    def batch(self, step: int, input_ids: torch.Tensor) -> ForwardBatch:
+        lens = self.seq_lens_cpu[step]
+        return ForwardBatch(input_ids=input_ids, positions=self.positions[step], out_cache_loc=self.out_cache_loc[step],
+                            seq_lens=self.seq_lens[step], block_tables=self.block_tables,
+                            logits_indices=self.logits_indices, query_lens=[1] * len(lens), seq_lens_cpu=lens)
+
+
+def check_num_scheduler_steps(value: object) -> int:
+    """The validated num_scheduler_steps (an int >= 1), or a ConfigError naming the value and the fix."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ConfigError(f"num_scheduler_steps={value!r} must be an integer >= 1 (1: one decode step per "
+                          f"host sync; e.g. 8 runs up to 8 decode steps per sync).")
+    return int(value)
 
 
 @dataclass(slots=True)
@@ -75,7 +112,8 @@ class LLMEngine:
                  speculative_eagle_topk: int | None = None, speculative_num_draft_tokens: int | None = None,
                  speculative_ddtree_budget: int | None = None, disable_cuda_graph: bool = False,
                  cuda_graph_max_bs: int | None = None, cuda_graph_bs: list[int] | None = None,
-                 cuda_graph_backend: str = "full", tune_gemv: bool = True) -> None:
+                 cuda_graph_backend: str = "full", num_scheduler_steps: int = 1, tune_gemv: bool = True) -> None:
+        self.num_scheduler_steps = check_num_scheduler_steps(num_scheduler_steps)
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.device)
         self.rng = torch.Generator().manual_seed(seed)
@@ -218,6 +256,11 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         with self._lock:
+            num_steps = self._window_steps()
+            if num_steps > 1:
+                window = self.scheduler.schedule_decode_window(num_steps)
+                if window is not None:
+                    return self._multi_step(window, num_steps)
             sched = self.scheduler.schedule(self.spec.extra_slots if self.spec is not None else 0)
             if not sched.scheduled:
                 return []
@@ -230,6 +273,76 @@ class LLMEngine:
             reqs = [s.request for s in sampled]
             tokens, logprobs = self.sampler.sample(out.logits, reqs)
             return [self._postprocess(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs)]
+
+    # ---- multi-step decode -----------------------------------------------------------------
+    @staticmethod
+    def _window_eligible(req: Request) -> bool:
+        """Can this request's next tokens be chosen on the device, with no host data per step? Not with
+        penalties (they count the tokens just sampled), logprobs (computed per step on the host) or
+        min_tokens still to reach (stop ids masked by count). Sampling is fine: its noise comes from
+        the request's host generator in the same order as single steps would draw it."""
+        p = req.params
+        return not p.has_penalties and p.logprobs is None and len(req.output_token_ids) >= p.min_tokens
+
+    def _window_steps(self) -> int:
+        """Forwards the next step may run without a host sync: 1 unless multi-step applies. Never past a
+        request's max_tokens or max_model_len, so every reserved KV slot of a live request is used."""
+        n = self.num_scheduler_steps
+        if n == 1 or self.spec is not None:
+            return 1
+        for r in self.scheduler.running:
+            if not self._window_eligible(r):
+                return 1
+            n = min(n, r.params.max_tokens - len(r.output_token_ids), self.config.max_model_len - r.num_tokens)
+        return max(n, 1)
+
+    def _build_window(self, reqs: list[Request], num_steps: int) -> DecodeWindow:
+        bs = self.kv.block_size
+        first_ids = [(r.output_token_ids or r.prompt_token_ids)[-1] for r in reqs]
+        positions, slots, seq_lens = [], [], []
+        for step in range(num_steps):
+            for r in reqs:
+                p = r.num_computed_tokens + step
+                positions.append(p)
+                slots.append(r.block_table[p // bs] * bs + p % bs)
+                seq_lens.append(p + 1)
+        width = max(len(r.block_table) for r in reqs)
+        tables = [b for r in reqs for b in r.block_table + [0] * (width - len(r.block_table))]
+        lists = [first_ids, positions, slots, seq_lens, tables, list(range(len(reqs)))]
+        if self._stager is not None:  # GPU: the whole window's inputs in one pinned upload
+            t = self._stager.upload(lists)
+        else:
+            t = [torch.tensor(x, dtype=torch.long, device=self.device) for x in lists]
+        b = len(reqs)
+        return DecodeWindow(first_ids=t[0], positions=t[1].view(num_steps, b), out_cache_loc=t[2].view(num_steps, b),
+                            seq_lens=t[3].view(num_steps, b), block_tables=t[4].view(b, width), logits_indices=t[5],
+                            seq_lens_cpu=[seq_lens[i * b:(i + 1) * b] for i in range(num_steps)])
+
+    def _multi_step(self, scheduled: list[ScheduledRequest], num_steps: int) -> list[RequestOutput]:
+        """num_steps decode forwards, each replaying the decode graph, each fed the tokens the previous one
+        chose on the device (argmax; sampled requests: the exponential race with host-drawn noise)."""
+        reqs = [s.request for s in scheduled]
+        window = self._build_window(reqs, num_steps)
+        sampled_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        ids = window.first_ids
+        step_tokens: list[torch.Tensor] = []
+        for step in range(num_steps):
+            out = self.run_model(window.batch(step, ids))
+            # choose before the next replay overwrites the graph's logits; the same ops as Sampler.sample
+            ids = out.logits.argmax(-1)
+            for i in sampled_rows:
+                ids[i] = sample_on_device(out.logits[i], reqs[i])
+            step_tokens.append(ids)
+        tokens = torch.stack(step_tokens).tolist()  # the window's one device -> host sync
+        outputs = []
+        for i, r in enumerate(reqs):
+            r.num_computed_tokens += num_steps
+            for step in range(num_steps):
+                self._append_token(r, tokens[step][i], None)
+                if r.finish_reason is not None:  # the rest of its window is discarded; its blocks are freed
+                    break
+            outputs.append(self._make_output(r))
+        return outputs
 
     def run_model(self, batch: ForwardBatch) -> ModelOutput:
         """The target forward: a CUDA-graph replay when the runner can serve the batch, else eager."""

@@ -33,6 +33,11 @@ class Request:
     logprobs: list[dict[int, float]] | None = None
     output_text: str = ""
     output_text_safe_len: int = 0  # streaming may hand out output_text[:this]
+    # incremental detokenization (tercel.detokenizer): output_text[:detok_committed_len] is the text of
+    # output_token_ids[:detok_read_offset]; [detok_prefix_offset, detok_read_offset) is decode context
+    detok_prefix_offset: int = 0
+    detok_read_offset: int = 0
+    detok_committed_len: int = 0
     sent_text_len: int = 0  # streaming: text already handed out
     sent_token_len: int = 0
     eos_token_ids: frozenset[int] = frozenset()  # empty when ignore_eos

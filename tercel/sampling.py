@@ -62,11 +62,27 @@ def target_probs(logits: torch.Tensor, req: Request) -> torch.Tensor:
     return filter_logits(processed_logits(logits, req), req.params).softmax(-1)
 
 
+def draw_noise(shape: torch.Size, generator: torch.Generator, device: torch.device | None = None) -> torch.Tensor:
+    """The Exp(1) noise of one draw, from the request's own (host) generator. With a CUDA device it is
+    drawn into pinned memory and sent without a host sync (same values: the draw happens on the host)."""
+    if device is None or device.type != "cuda":
+        return torch.empty(shape, dtype=torch.float32, device="cpu").exponential_(generator=generator)
+    host = torch.empty(shape, dtype=torch.float32, pin_memory=True).exponential_(generator=generator)
+    return host.to(device, non_blocking=True)
+
+
 def sample_from_probs(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One draw by the exponential race (argmax p / E, E ~ Exp(1)): equivalent to multinomial,
     batch-invariant because the noise comes from the request's own generator."""
-    noise = torch.empty(probs.shape, dtype=torch.float32, device="cpu").exponential_(generator=generator)
+    noise = draw_noise(probs.shape, generator)
     return int((probs.float().cpu() / noise).argmax())
+
+
+def sample_on_device(logits: torch.Tensor, req: Request) -> torch.Tensor:
+    """The draw sample_from_probs makes (same noise, same race), left on logits' device as a 0-d tensor,
+    so multi-step decode can feed it to the next forward without a host sync. logits: [V]; no penalties."""
+    probs = filter_logits(processed_logits(logits, req), req.params).softmax(-1)
+    return (probs.float() / draw_noise(probs.shape, req.generator, probs.device)).argmax()
 
 
 class Sampler:

