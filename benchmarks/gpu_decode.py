@@ -22,6 +22,7 @@ Usage: PYTHONPATH=. python benchmarks/gpu_decode.py --models smollm2,llama8b --s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -363,6 +364,8 @@ def main() -> None:
             result["model"] = label
             result["init_s"] = round(time.perf_counter() - t0, 1)
             result.update(bench_engine(engine, eager, make_prompts, label, args, bw))
+            # per batch-1 linear shape: cuBLAS or the Triton GEMV, as measured at engine start
+            result["gemv_choices"] = [dataclasses.asdict(c) for c in engine.gemv_choices or []]
             result["model"] = label
             if name == "smollm2" and not args.skip_hf:
                 try:

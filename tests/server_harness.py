@@ -160,6 +160,21 @@ def offline_llm():
     return LLM(progress=False)
 
 
+def running_server(*args: str, api_key: str | None = None, with_reference: bool = True):
+    """Body of a module-scoped server fixture (`yield from running_server(...)`): start the server,
+    load the offline reference meanwhile, yield once ready; stop it afterwards and demand a clean
+    exit (code 0 after SIGTERM)."""
+    srv = ServerProcess(*args, api_key=api_key).start()
+    try:
+        if with_reference:
+            offline_llm()  # load the reference model while the server loads
+        srv.wait_ready()
+        yield srv
+    finally:
+        rc = srv.stop()
+    assert rc == 0, f"server exit code {rc} after SIGTERM:\n{srv.log_tail()}"
+
+
 _offline_cache: dict[str, object] = {}
 
 

@@ -11,7 +11,7 @@ import math
 import openai
 import pytest
 
-from server_harness import ServerProcess, http_client, offline, offline_llm
+from server_harness import http_client, offline, offline_llm, running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -22,14 +22,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--max-n", "4").start()
-    try:
-        offline_llm()  # load the reference model while the server loads
-        srv.wait_ready()
-        yield srv
-    finally:
-        rc = srv.stop()
-    assert rc == 0, f"server exit code {rc} after SIGTERM:\n{srv.log_tail()}"
+    yield from running_server("--max-n", "4")
 
 
 @pytest.fixture(scope="module")

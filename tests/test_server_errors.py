@@ -12,7 +12,7 @@ import time
 import openai
 import pytest
 
-from server_harness import ServerProcess, http_client
+from server_harness import http_client, running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -23,14 +23,8 @@ LONG_TEXT = "hello " * 400  # > 256 tokens, < 16 KiB
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--max-model-len", str(MAX_MODEL_LEN), "--max-body-bytes", "16KiB", "--max-num-seqs", "2",
-                        "--max-queue-size", "2", "--max-n", "4", api_key=API_KEY).start()
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        rc = srv.stop()
-    assert rc == 0, f"server exit code {rc} after SIGTERM:\n{srv.log_tail()}"
+    yield from running_server("--max-model-len", str(MAX_MODEL_LEN), "--max-body-bytes", "16KiB", "--max-num-seqs",
+                              "2", "--max-queue-size", "2", "--max-n", "4", api_key=API_KEY, with_reference=False)
 
 
 @pytest.fixture(scope="module")

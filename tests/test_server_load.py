@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from server_harness import ServerProcess, async_http_client, http_client, offline, offline_llm
+from server_harness import async_http_client, http_client, offline, running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -31,14 +31,7 @@ CHATS = [[{"role": "user", "content": "Name a fruit."}], [{"role": "user", "cont
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--shutdown-timeout", "2").start()
-    try:
-        offline_llm()  # load the reference model while the server loads
-        srv.wait_ready()
-        yield srv
-    finally:
-        rc = srv.stop()
-    assert rc == 0, f"server exit code {rc} after SIGTERM:\n{srv.log_tail()}"
+    yield from running_server("--shutdown-timeout", "2")
 
 
 @pytest.fixture(scope="module")

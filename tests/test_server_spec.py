@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from server_harness import ServerProcess, offline, offline_llm
+from server_harness import offline, running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -18,15 +18,8 @@ MESSAGES = [{"role": "user", "content": "Repeat after me: red, green, blue, red,
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--speculative-algorithm", "NGRAM", "--speculative-num-steps", "4",
-                        "--max-model-len", "1024").start()
-    try:
-        offline_llm()
-        srv.wait_ready()
-        yield srv
-    finally:
-        rc = srv.stop()
-    assert rc == 0, f"server exit code {rc} after SIGTERM:\n{srv.log_tail()}"
+    yield from running_server("--speculative-algorithm", "NGRAM", "--speculative-num-steps", "4",
+                              "--max-model-len", "1024")
 
 
 @pytest.fixture(scope="module")
