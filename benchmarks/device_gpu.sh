@@ -18,10 +18,10 @@ cat /tmp/smol/smolpart* > $M && echo "a1231443440b107ff29f02bdb38c9d0a  $M" | md
 python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .carry/whl/*.whl || exit 4
 export PYTHONPATH=/tmp/site:. TERCEL_SMOL_GGUF=$M TERCEL_RESULTS_DIR=$OUT
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-timeout $(left ${PROBE_S:-60}) python3 benchmarks/gemv_probe.py $OUT/gemv_probe.json > $OUT/misc.log 2>&1
+timeout $(left ${PROBE_S:-60}) python3 benchmarks/gemv_probe.py $OUT/gemv_probe.json > $OUT/bench.log 2>&1
 el "gemv probe rc=$?"
 timeout $(left ${BENCH_S:-260}) python3 benchmarks/gpu_decode.py --models smollm2,llama8b --smol $M --repeats 3 \
-  --tput-tokens 64 --out-dir $OUT > $OUT/bench.log 2>&1
+  --tput-tokens 64 --out-dir $OUT >> $OUT/bench.log 2>&1
 el "bench rc=$?"; tail -24 $OUT/bench.log | cut -c1-240
 ( timeout $(left 150) python3 -m pytest -q tests/test_gpu_graphs.py tests/test_kernel_switch.py -k "not smollm2"
   timeout $(left 120) python3 -m pytest -q tests/test_gpu_multistep.py
@@ -32,8 +32,8 @@ TERCEL_GPU_TEST_MAX_BUCKET=${MAX_BUCKET:-256} timeout $(left 300) python3 -m pyt
 ( timeout $(left 200) python3 benchmarks/spec_accept.py --model $M --device cuda --max-tokens 128 \
     --out $OUT/spec_accept_smollm2_h200.json
   timeout $(left 200) python3 benchmarks/dflash_accept.py --model $M --draft tercel/drafts/smollm2-dflash --device cuda \
-    --max-tokens 128 --name dflash_accept_smollm2_h200 ) >> $OUT/misc.log 2>&1 &
+    --max-tokens 128 --name dflash_accept_smollm2_h200 ) >> $OUT/bench.log 2>&1 &
 wait; el "tests and accept done"
 grep -E "passed|failed|error|rc=" $OUT/gpu_tests.log $OUT/gpu_tests_smollm2.log | tail -10
-grep -E "chain|tree|ngram|DFLASH|DDTREE" $OUT/misc.log | tail -16 | cut -c1-200
+grep -E "chain|tree|ngram|DFLASH|DDTREE" $OUT/bench.log | tail -16 | cut -c1-200
 ls $OUT
