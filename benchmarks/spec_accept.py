@@ -21,6 +21,10 @@ CONFIGS = [  # (name, algorithm, num_steps, topk, num_draft_tokens)
     ("eagle3-tree-topk4-16", "EAGLE3", 5, 4, 16),
     ("ngram-6", "NGRAM", 5, 1, 6),
 ]
+WIDE_TREES = [  # larger EAGLE-2 trees, as SGLang runs them at low batch (--configs wide)
+    ("eagle3-tree-topk8-32", "EAGLE3", 5, 8, 32),
+    ("eagle3-tree-topk8-64", "EAGLE3", 6, 8, 64),
+]
 
 
 def run(model, draft, device, max_tokens, temps, configs) -> dict:
@@ -73,6 +77,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temps", default="0,1")
+    ap.add_argument("--configs", choices=["default", "wide"], default="default",
+                    help="default: chain-5, tree top-4 x 16, n-gram; wide: trees of 32 and 64 nodes")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "spec_accept_smollm2.json"))
     args = ap.parse_args()
     import torch
@@ -83,7 +89,8 @@ def main() -> None:
         from tercel.spec import DEFAULT_EAGLE3_DRAFT
         draft = str(DEFAULT_EAGLE3_DRAFT)
     temps = [float(t) for t in args.temps.split(",")]
-    results = run(args.model, draft, args.device, args.max_tokens, temps, CONFIGS)
+    results = run(args.model, draft, args.device, args.max_tokens, temps,
+                  WIDE_TREES if args.configs == "wide" else CONFIGS)
     payload = {"benchmark": "speculative accept length on held-out prompts (tercel.train.data EVAL_*_PROMPTS)",
                "environment": environment(), "device": args.device, "model": args.model or "SmolLM2-135M-Instruct (default)",
                "draft": draft, "max_tokens": args.max_tokens, "prompts_per_set": 10,
