@@ -27,4 +27,5 @@ def triton_enabled() -> bool:
 
 def use_triton(t: torch.Tensor) -> bool:
     """True when a kernel should run on this tensor: on CUDA, or anywhere under TRITON_INTERPRET=1."""
-    return triton_enabled() and (t.is_cuda or _INTERPRET)
+    # device test first: on CPU it answers without reading the environment (called per layer per op)
+    return (t.is_cuda or _INTERPRET) and triton_enabled()
