@@ -63,14 +63,17 @@ def main() -> None:
             hf.generate(ids, attention_mask=mask, generation_config=gen_cfg)
         return time.perf_counter() - t
 
+    load_before = os.getloadavg()[0]  # other processes on these 2 cores skew both sides: record it
     params_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
     bw = copy_bandwidth("cpu")
     rows = []
     for bs in (1, len(prompts)):
         batch = prompts[:bs]
         time_ours(batch), time_hf(batch)  # warm-up
-        ours_t = [time_ours(batch) for _ in range(args.repeats)]
-        hf_t = [time_hf(batch) for _ in range(args.repeats)]
+        ours_t, hf_t = [], []
+        for _ in range(args.repeats):  # interleaved, so a burst of load from elsewhere hits both sides alike
+            ours_t.append(time_ours(batch))
+            hf_t.append(time_hf(batch))
         o, h = statistics.median(ours_t), statistics.median(hf_t)
         ours_tps, hf_tps = bs * n / o, bs * n / h
         # roofline: each decode step reads every weight once
@@ -83,7 +86,8 @@ def main() -> None:
     result = {"benchmark": "cpu_decode_smollm2", "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)",
               "dtype": "float32", "peer": f"transformers {transformers.__version__} generate (eager, DynamicCache)",
               "weight_bytes": params_bytes, "copy_bandwidth_GBps": round(bw / 1e9, 2),
-              "env": environment(), "rows": rows}
+              "env": environment(), "loadavg_1m": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
+              "rows": rows}
     path = write_result("cpu_decode_smollm2", result)
     print(f"{'bs':>3} {'tercel tok/s':>13} {'HF tok/s':>9} {'speedup':>8} {'roofline':>9}")
     for r in rows:

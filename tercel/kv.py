@@ -68,6 +68,9 @@ class PagedKVCache:
         shape = (spec.num_layers, num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
         self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
+        # per-layer views made once: indexing k[layer] costs a dispatcher call each time, several per layer per step
+        self.k_layers: tuple[torch.Tensor, ...] = self.k.unbind(0)
+        self.v_layers: tuple[torch.Tensor, ...] = self.v.unbind(0)
         self.allocator = BlockAllocator(num_blocks)
 
     @property
@@ -75,8 +78,8 @@ class PagedKVCache:
         return self.spec.block_size
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        self.k_layers[layer].index_copy_(0, slots, k)
+        self.v_layers[layer].index_copy_(0, slots, v)
 
 
 def blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:

@@ -29,6 +29,9 @@ def use_triton(t: torch.Tensor, *params: torch.Tensor) -> bool:
     """True when a kernel should run on this tensor: on CUDA, or anywhere under TRITON_INTERPRET=1.
     Never while autograd records through t or params (draft training): the kernels have no backward,
     and running them would silently cut the gradient."""
+    # device test first: on CPU it answers without reading the environment (called per layer per op)
+    if not (t.is_cuda or _INTERPRET):
+        return False
     if torch.is_grad_enabled() and (t.requires_grad or any(p.requires_grad for p in params)):
         return False
-    return triton_enabled() and (t.is_cuda or _INTERPRET)
+    return triton_enabled()

@@ -13,8 +13,12 @@ from torch import nn
 from ..kernels import use_triton
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, gemv_config=None) -> torch.Tensor:
-    """F.linear(x, weight), through the tuned GEMV when one is set and x is a single row."""
+def linear(x: torch.Tensor, weight: torch.Tensor, gemv_config=None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the tuned GEMV when one is set, there is no bias and x is a
+    single row. (The model calls this on its Linear modules' tensors instead of calling the modules:
+    the module-call overhead shows on a CPU decode step.)"""
+    if bias is not None:
+        return F.linear(x, weight, bias)
     if gemv_config is not None and x.dim() == 2 and x.shape[0] == 1 and use_triton(x, weight):
         from ..kernels.gemv import gemv
 
@@ -26,6 +30,4 @@ class Linear(nn.Linear):
     gemv = None  # tercel.kernels.gemv.GemvConfig, set by the tuner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            return linear(x, self.weight, self.gemv)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.gemv, self.bias)
