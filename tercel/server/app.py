@@ -84,6 +84,22 @@ def _sse(obj: dict[str, Any]) -> str:
 
 
 _SSE_DONE = "data: [DONE]\n\n"
+_SSE_ENGINE_ERROR = _sse(error_body("The engine failed while generating this request.", "server_error",
+                                    code="engine_error"))
+
+
+async def _group_items(group: RequestGroup, total: int) -> AsyncIterator[tuple[int, Any]]:
+    """What a request group's queue delivers, in arrival order, until all `total` choices are done
+    (finished or ABORTED) or the engine fails: (index, RequestOutput | ABORTED | EngineFailure); an
+    EngineFailure is the last item."""
+    done = 0
+    while done < total:
+        idx, item = await group.queue.get()
+        if not isinstance(item, EngineFailure) and (item is ABORTED or item.finished):
+            done += 1
+        yield idx, item
+        if isinstance(item, EngineFailure):
+            return
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -270,20 +286,16 @@ class OpenAIServer:
         async def consume() -> tuple[list[RequestOutput | None], list[str]]:
             last: list[RequestOutput | None] = [None] * total
             reasons: list[str] = [""] * total
-            done = 0
-            while done < total:
-                idx, item = await group.queue.get()
+            async for idx, item in _group_items(group, total):
                 if isinstance(item, EngineFailure):
                     raise APIError(500, "The engine failed while generating this request.", type="server_error",
                                    code="engine_error")
                 if item is ABORTED:
                     reasons[idx] = "abort"
-                    done += 1
                     continue
                 last[idx] = item
                 if item.finished:
                     reasons[idx] = item.outputs[0].finish_reason or "stop"
-                    done += 1
             return last, reasons
 
         consumer = asyncio.ensure_future(consume())
@@ -437,15 +449,11 @@ class OpenAIServer:
             if echo_texts:
                 for i in range(total):
                     yield chunk(i, echo_texts[i // req.n])
-            done = 0
-            while done < total:
-                idx, item = await group.queue.get()
+            async for idx, item in _group_items(group, total):
                 if isinstance(item, EngineFailure):
-                    yield _sse(error_body("The engine failed while generating this request.", "server_error",
-                                          code="engine_error"))
+                    yield _SSE_ENGINE_ERROR
                     break
                 if item is ABORTED:
-                    done += 1
                     yield chunk(idx, "", None, "abort")
                     continue
                 out: RequestOutput = item
@@ -459,8 +467,6 @@ class OpenAIServer:
                                                                       offsets[idx])
                 if out.delta_text or finish or logprobs:
                     yield chunk(idx, out.delta_text, logprobs, finish)
-                if out.finished:
-                    done += 1
             if include_usage:
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                             "choices": [], "usage": _usage(num_prompt_tokens, sum(completion_tokens))})
@@ -578,15 +584,11 @@ class OpenAIServer:
         try:
             for i in range(n):
                 yield chunk(i, {"role": "assistant", "content": ""})
-            done = 0
-            while done < n:
-                idx, item = await group.queue.get()
+            async for idx, item in _group_items(group, n):
                 if isinstance(item, EngineFailure):
-                    yield _sse(error_body("The engine failed while generating this request.", "server_error",
-                                          code="engine_error"))
+                    yield _SSE_ENGINE_ERROR
                     break
                 if item is ABORTED:
-                    done += 1
                     yield chunk(idx, {}, None, "abort")
                     continue
                 out: RequestOutput = item
@@ -600,8 +602,6 @@ class OpenAIServer:
                           "refusal": None}
                 if out.delta_text or finish or lp:
                     yield chunk(idx, {"content": out.delta_text} if out.delta_text else {}, lp, finish)
-                if out.finished:
-                    done += 1
             if include_usage:
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                             "choices": [], "usage": _usage(num_prompt_tokens, sum(completion_tokens))})
