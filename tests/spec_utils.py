@@ -74,3 +74,18 @@ def write_random_eagle(out, target_cfg, *, layers: int = 1, intermediate: int = 
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"))
     return out
+
+
+def tiny_llama_target(root, *, vocab: int, layers: int, max_positions: int, init_range: float):
+    """A seeded random HF Llama with a tiny vocabulary, saved to root / "target" (for the chi-square
+    tests, where the exact target distribution is enumerable). Returns (HF model, path)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=max_positions, initializer_range=init_range)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    hf.save_pretrained(root / "target")
+    return hf, root / "target"

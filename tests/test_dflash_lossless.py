@@ -11,6 +11,7 @@ import transformers
 from scipy.stats import chisquare
 
 from dflash_utils import write_random_dflash
+from spec_utils import tiny_llama_target
 from tercel import LLM, SamplingParams
 from tercel.sampling import filter_logits
 
@@ -21,16 +22,11 @@ PROMPT = [3, 7, 1, 12]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   initializer_range=0.15)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     root = tmp_path_factory.mktemp("tiny")
-    hf.save_pretrained(root / "target")
+    hf, target = tiny_llama_target(root, vocab=VOCAB, layers=2, max_positions=128, init_range=0.15)
     draft = write_random_dflash(root / "draft", vocab=VOCAB, hidden=32, num_target_layers=2, block_size=4,
                                 mask_token_id=VOCAB - 1, target_layer_ids=[0, 1], std=0.3)
-    return hf, root / "target", draft
+    return hf, target, draft
 
 
 def _exact_joint(hf, params: SamplingParams) -> torch.Tensor:

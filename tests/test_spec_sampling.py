@@ -11,6 +11,7 @@ import torch
 import transformers
 from scipy.stats import chisquare
 
+from spec_utils import tiny_llama_target
 from tercel import LLM, SamplingParams
 from tercel.sampling import filter_logits
 from tercel.train.export import random_eagle3
@@ -23,14 +24,9 @@ N = 20_000
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   initializer_range=0.2)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     root = tmp_path_factory.mktemp("tiny")
-    hf.save_pretrained(root / "target")
-    llm = LLM(str(root / "target"), device="cpu", skip_tokenizer_init=True, progress=False, max_model_len=32)
+    hf, target = tiny_llama_target(root, vocab=VOCAB, layers=3, max_positions=64, init_range=0.2)
+    llm = LLM(str(target), device="cpu", skip_tokenizer_init=True, progress=False, max_model_len=32)
     draft = random_eagle3(root / "draft", llm.engine.model_config, aux_layer_ids=(0, 1, 2), std=0.4)
     return hf, llm, str(draft)
 
