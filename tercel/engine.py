@@ -169,12 +169,8 @@ class LLMEngine:
 
                     try:
                         self.gemv_choices = self.model.gemv_choices = tune_model(self.model)
-                    except Exception as e:  # never fatal: every linear stays on cuBLAS
+                    except Exception as e:  # never fatal: tune_model sets nothing unless it finishes
                         log.warning("batch-1 GEMV tuning failed (%s); using cuBLAS for every linear", e)
-                        for m in self.model.modules():
-                            if hasattr(m, "gemv"):
-                                m.gemv = None
-                        self.model.lm_head_gemv = None
             if not disable_cuda_graph:
                 from .graphs import GraphConfig
                 from .graphs.steps import decode_graph_runner

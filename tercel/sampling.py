@@ -81,7 +81,7 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator) -> int:
 def sample_on_device(logits: torch.Tensor, req: Request) -> torch.Tensor:
     """The draw sample_from_probs makes (same noise, same race), left on logits' device as a 0-d tensor,
     so multi-step decode can feed it to the next forward without a host sync. logits: [V]; no penalties."""
-    probs = filter_logits(processed_logits(logits, req), req.params).softmax(-1)
+    probs = target_probs(logits, req)
     return (probs.float() / draw_noise(probs.shape, req.generator, probs.device)).argmax()
 
 

@@ -118,7 +118,7 @@ class TorchAttentionBackend(AttentionBackend):
             return out.transpose(1, 2).reshape(b * t, -1)
         if meta.single:
             slots = meta.slots[0]
-            return self._single_decode(q, k_cache.index_select(0, slots), v_cache.index_select(0, slots))
+            return self._single_decode(q, _gather(k_cache, slots), _gather(v_cache, slots))
         if meta.decode:
             keys = _gather(k_cache, meta.slots).transpose(1, 2)  # [B, Hkv, S, D]
             values = _gather(v_cache, meta.slots).transpose(1, 2)
@@ -129,8 +129,8 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         for offset, q_len, slots, mask in meta.per_request:
             qi = q[offset:offset + q_len].transpose(0, 1)[None]  # [1, H, q, D]
-            keys = k_cache.index_select(0, slots).transpose(0, 1)[None]
-            values = v_cache.index_select(0, slots).transpose(0, 1)[None]
+            keys = _gather(k_cache, slots).transpose(0, 1)[None]
+            values = _gather(v_cache, slots).transpose(0, 1)[None]
             oi = F.scaled_dot_product_attention(qi, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[offset:offset + q_len] = oi[0].transpose(0, 1)
         return out.reshape(q.shape[0], -1)

@@ -85,17 +85,16 @@ def tune_model(model: torch.nn.Module) -> list[GemvChoice]:
     for m in model.modules():
         if isinstance(m, Linear) and m.bias is None and m.weight.is_cuda:
             groups[tuple(m.weight.shape)].append(m)
-    choices = []
-    for shape, mods in groups.items():
-        choice = tune_shape([m.weight for m in mods])
+    # measure everything first, then set: a failure part-way leaves every layer on cuBLAS
+    measured = [(mods, tune_shape([m.weight for m in mods])) for mods in groups.values()]
+    tied = getattr(model, "lm_head", 0) is None and model.lm_head_weight.is_cuda  # the embedding is the head
+    head_choice = tune_shape([model.lm_head_weight]) if tied else None
+    for mods, choice in measured:
         for m in mods:
             m.gemv = choice.config
-        choices.append(choice)
-    head = getattr(model, "lm_head", 0)
-    if head is None and model.lm_head_weight.is_cuda:  # tied: the embedding is the head
-        choice = tune_shape([model.lm_head_weight])
-        model.lm_head_gemv = choice.config
-        choices.append(choice)
+    if head_choice is not None:
+        model.lm_head_gemv = head_choice.config
+    choices = [c for _, c in measured] + ([head_choice] if head_choice is not None else [])
     for c in choices:
         log.info("batch-1 linear %s x%d: cuBLAS %.1f us, GEMV %s us -> %s", c.shape, c.layers, c.cublas_us,
                  c.gemv_us, c.config or "cuBLAS")
