@@ -113,7 +113,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
                                 steps=args.max_steps, lr=args.lr, seed=args.seed, checkpoint_every=args.save_every)
         out = run_training(args.target, args.out, args.device, args.num_prompts, args.max_new_tokens,
                            args.gen_temperature, args.gen_batch, args.max_len, cfg, args.time_budget, args.seed,
-                           gen_time_budget_s=args.gen_time_budget)
+                           gen_time_budget_s=args.gen_time_budget, synth_prompts=args.synth_prompts)
         print(f"draft written to {out} (load it with --speculative-algorithm DFLASH or DDTREE "
               f"--speculative-draft-model-path {out})")
         return 0
@@ -121,7 +121,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
     cfg = Eagle3TrainConfig(
         out=args.out, target=args.target, device=args.device, num_prompts=args.num_prompts,
-        max_new_tokens=args.max_new_tokens, gen_temperature=args.gen_temperature, gen_max_num_seqs=args.gen_batch,
+        synth_prompts=args.synth_prompts, max_new_tokens=args.max_new_tokens, gen_temperature=args.gen_temperature, gen_max_num_seqs=args.gen_batch,
         max_len=args.max_len, draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
         ttt_steps=args.ttt_steps, batch_size=args.batch_size, lr=args.lr, max_steps=args.max_steps,
         time_budget_s=args.time_budget, gen_time_budget_s=args.gen_time_budget, save_every=args.save_every, seed=args.seed)
@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     tr = sub.add_parser("train-draft", help="train a speculative draft head by self-distillation",
                         description="Train a draft for a target: the target answers prompts built from offline "
-                                    "text (Python stdlib, installed package docs), the draft learns its "
+                                    "text (Python stdlib, installed package docs) and prompts it writes "
+                                    "itself, the draft learns its "
                                     "distributions with a training-time test; resumable; writes the SpecForge "
                                     "format. Example: tercel train-draft --algorithm eagle3 --out drafts/mine")
     tr.add_argument("--algorithm", default="eagle3", choices=["eagle3", "dflash"], type=str.lower)
@@ -159,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--target", default=None, help="target model (default: SmolLM2-135M-Instruct)")
     tr.add_argument("--out", required=True, help="output directory (also holds data.pt and checkpoint.pt to resume)")
     tr.add_argument("--device", default="auto")
-    tr.add_argument("--num-prompts", type=int, default=4096)
+    tr.add_argument("--num-prompts", type=int, default=4096, help="prompts built from offline text")
+    tr.add_argument("--synth-prompts", type=int, default=4096,
+                    help="user prompts the target writes itself (Magpie-style) on top of --num-prompts")
     tr.add_argument("--max-new-tokens", type=int, default=256, help="response length cap when generating data")
     tr.add_argument("--gen-temperature", type=float, default=0.0)
     tr.add_argument("--gen-batch", type=int, default=512, help="requests generated at once")

@@ -71,7 +71,7 @@ def test_draft_vocabulary_is_the_most_frequent_response_tokens():
 def test_train_draft_writes_a_loadable_draft_and_resumes(tmp_path, smol_path, smol_llm):
     """(the CLI runs the same trainer: tercel train-draft --algorithm eagle3 --out DIR ...)"""
     out = tmp_path / "draft"
-    cfg = dict(out=str(out), target=smol_path, device="cpu", num_prompts=4, max_new_tokens=4, max_len=48,
+    cfg = dict(out=str(out), target=smol_path, device="cpu", num_prompts=4, synth_prompts=2, max_new_tokens=4, max_len=48,
                draft_vocab_size=256, intermediate_size=64, batch_size=2, save_every=1, ttt_steps=2)
     Eagle3Trainer(Eagle3TrainConfig(max_steps=2, **cfg), llm=smol_llm).train()
     assert json.loads((out / "train_log.json").read_text())["steps"] == 2

@@ -4,7 +4,10 @@ trainer (EAGLE-3 here, DFlash later).
 1. build_prompts: chat prompts from text on this machine: Python stdlib source (functions and
    their docstrings, read with `ast`, never imported), installed packages' descriptions (their
    METADATA / README text under site-packages), and generic chat topics.
+   synth_user_prompts: the TARGET writes user messages itself, sampled after the chat template's
+   user-turn prefix (the Magpie recipe), which gives the varied everyday chat the offline text lacks.
 2. generate_responses: the TARGET writes the answers, with Tercel's own engine, in large batches.
+   make_dataset runs 1 and 2 for every trainer.
 3. Dataset (prompt/response token ids) saves to / loads from a .pt of int tensors (weights_only).
 4. target_features: one dense causal forward of the target over padded batches, returning the
    hidden states of chosen layers and the final normed hidden state (for logits of any vocab subset).
@@ -12,6 +15,8 @@ trainer (EAGLE-3 here, DFlash later).
 from __future__ import annotations
 
 import ast
+import logging
+import math
 import random
 import sysconfig
 from dataclasses import dataclass
@@ -22,6 +27,8 @@ import torch.nn.functional as F
 
 from ..models.llama import LlamaForCausalLM
 from ..models.rope import apply_rope
+
+log = logging.getLogger(__name__)
 
 # Held-out evaluation prompts must never be trained on (benchmarks/spec_accept.py uses these).
 EVAL_CHAT_PROMPTS = [
@@ -138,6 +145,69 @@ def build_prompts(n: int, seed: int = 0) -> list[str]:
     prompts = sorted({p for p in prompts if p not in held_out})
     rng.shuffle(prompts)
     return prompts[:n]
+
+
+def user_turn_prefix(tok) -> list[int]:
+    """Token ids the chat template puts before a user message's text (system prompt included): the
+    common prefix of two one-message conversations that differ only in that text."""
+    a = tok.apply_chat_template([{"role": "user", "content": "A"}], add_generation_prompt=False)
+    b = tok.apply_chat_template([{"role": "user", "content": "B"}], add_generation_prompt=False)
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return a[:n]
+
+
+def synth_user_prompts(llm, n: int, seed: int = 0, max_tokens: int = 96, temperature: float = 1.0,
+                       top_p: float = 0.95, wave: int = 4096, time_budget_s: float | None = None) -> list[str]:
+    """Up to n distinct user messages written by the target itself: sampled after the user-turn
+    prefix, kept only when the model ended the turn (finish 'stop') and the text is 10-600 chars;
+    the eval prompts are excluded. Needs a chat template."""
+    import time
+
+    from ..sampling_params import SamplingParams
+
+    if n <= 0:
+        return []
+    tok = llm.tokenizer
+    if not tok.has_chat_template:
+        log.warning("no chat template: no synthetic user prompts")
+        return []
+    prefix = user_turn_prefix(tok)
+    held_out = set(EVAL_CHAT_PROMPTS) | set(EVAL_CODE_PROMPTS)
+    seen: set[str] = set()
+    out: list[str] = []
+    start, tries = time.perf_counter(), math.ceil(n * 1.3)
+    for w in range(0, tries, wave):
+        if len(out) >= n or (time_budget_s is not None and time.perf_counter() - start > time_budget_s):
+            break
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed + w + i)
+                  for i in range(min(wave, tries - w))]
+        for o in llm.generate([prefix] * len(params), params, use_tqdm=False):
+            text = o.outputs[0].text.strip()
+            if o.outputs[0].finish_reason == "stop" and 10 <= len(text) <= 600 and text not in held_out \
+                    and text not in seen:
+                seen.add(text)
+                out.append(text)
+    return out[:n]
+
+
+def make_dataset(llm, num_prompts: int, synth_prompts: int, max_new_tokens: int, temperature: float = 0.0,
+                 seed: int = 0, wave: int = 4096, time_budget_s: float | None = None) -> list[Sample]:
+    """The self-distillation dataset: num_prompts offline prompts plus synth_prompts the target wrote,
+    shuffled together, answered by the target. time_budget_s bounds the whole job (a fifth of it at
+    most goes to writing prompts)."""
+    import time
+
+    start = time.perf_counter()
+    synth = synth_user_prompts(llm, synth_prompts, seed, wave=wave,
+                               time_budget_s=None if time_budget_s is None else time_budget_s / 5)
+    prompts = build_prompts(num_prompts, seed) + synth
+    random.Random(seed).shuffle(prompts)
+    left = None if time_budget_s is None else max(1.0, time_budget_s - (time.perf_counter() - start))
+    samples = generate_responses(llm, prompts, max_new_tokens, temperature, seed, use_tqdm=False, wave=wave,
+                                 time_budget_s=left)
+    log.info("dataset: %d offline + %d synthetic prompts, %d answered (%d response tokens) in %.0f s",
+             num_prompts, len(synth), len(samples), sum(len(s.response) for s in samples), time.perf_counter() - start)
+    return samples
 
 
 def generate_responses(llm, prompts: list[str], max_new_tokens: int, temperature: float = 0.0,

@@ -214,11 +214,11 @@ def choose_mask_token(tokenizer, vocab_size: int) -> int:
 def run_training(target: str | None, out: str | Path, device: str = "auto", num_prompts: int = 4096,
                  max_new_tokens: int = 256, gen_temperature: float = 0.0, gen_batch: int = 512,
                  max_len: int = 512, cfg: DFlashTrainConfig | None = None, time_budget_s: float | None = None,
-                 seed: int = 0, gen_time_budget_s: float | None = None) -> Path:
+                 seed: int = 0, gen_time_budget_s: float | None = None, synth_prompts: int = 0) -> Path:
     """The whole job behind `tercel train-draft --algorithm dflash`: data (generated once, kept in
     out/data.pt), then training (resumable from out/trainer_state.pt)."""
     from ..llm import LLM
-    from .data import LIGHT_KV_BYTES, build_prompts, generate_responses, load_samples, save_samples
+    from .data import LIGHT_KV_BYTES, load_samples, make_dataset, save_samples
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -231,8 +231,8 @@ def run_training(target: str | None, out: str | Path, device: str = "auto", num_
     if data_path.is_file():
         samples = load_samples(data_path)
     else:
-        samples = generate_responses(llm, build_prompts(num_prompts, seed), max_new_tokens, gen_temperature, seed,
-                                     wave=gen_batch, time_budget_s=gen_time_budget_s)
+        samples = make_dataset(llm, num_prompts, synth_prompts, max_new_tokens, gen_temperature, seed,
+                               wave=4 * gen_batch, time_budget_s=gen_time_budget_s)
         save_samples(samples, data_path)
     samples = [Sample(s.prompt, s.response[:max(0, max_len - len(s.prompt))]) for s in samples if len(s.prompt) < max_len]
     cfg = cfg or DFlashTrainConfig()

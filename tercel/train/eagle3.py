@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from ..models.eagle3 import EagleDraftConfig, EagleDraftModel, default_eagle3_layer_ids
 from ..models.rope import apply_rope
-from .data import (LIGHT_KV_BYTES, Sample, build_prompts, generate_responses, load_samples, pack_batch, save_samples,
+from .data import (LIGHT_KV_BYTES, Sample, load_samples, make_dataset, pack_batch, save_samples,
                    target_features)
 from .export import eagle3_config_dict, eagle3_tensors, save_eagle3
 
@@ -45,6 +45,7 @@ class Eagle3TrainConfig:
     target: str | None = None  # HF dir / GGUF; None: the default model
     device: str = "auto"
     num_prompts: int = 4096
+    synth_prompts: int = 4096  # user prompts the target writes itself (data.synth_user_prompts)
     max_new_tokens: int = 256
     gen_temperature: float = 0.0
     gen_max_num_seqs: int = 512
@@ -154,9 +155,8 @@ class Eagle3Trainer:
             return load_samples(path)
         cfg = self.cfg
         t0 = time.perf_counter()
-        prompts = build_prompts(cfg.num_prompts, cfg.seed)
-        samples = generate_responses(llm, prompts, cfg.max_new_tokens, cfg.gen_temperature, cfg.seed,
-                                     wave=2 * cfg.gen_max_num_seqs, time_budget_s=cfg.gen_time_budget_s)
+        samples = make_dataset(llm, cfg.num_prompts, cfg.synth_prompts, cfg.max_new_tokens, cfg.gen_temperature,
+                               cfg.seed, wave=4 * cfg.gen_max_num_seqs, time_budget_s=cfg.gen_time_budget_s)
         save_samples(samples, path)
         n_tok = sum(len(s.response) for s in samples)
         log.info("generated %d responses (%d tokens) in %.0f s", len(samples), n_tok, time.perf_counter() - t0)
