@@ -1,6 +1,9 @@
 """LLMEngine: add requests, step (schedule -> forward -> sample -> postprocess), abort.
 
-One step serves a mixed batch: prefill chunks and decodes of many requests, packed flat.
+One step serves a mixed batch: prefill chunks and decodes of many requests, packed flat. With CUDA
+graphs it runs as two forwards, the decodes by graph replay and the prefill chunks eagerly (as SGLang
+does unless --enable-mixed-chunk): under steady arrivals nearly every step has a new prompt, and a
+mixed batch cannot replay a decode graph.
 
 Multi-step decode (num_scheduler_steps = N > 1, vLLM's idea): when every running request is decoding
 and needs no host data per step (no penalties, logprobs or pending min_tokens), one step runs up to
@@ -30,7 +33,7 @@ from .kv import KVCacheSpec, PagedKVCache, blocks_for_budget
 from .loader.model_loader import LoadedModel, load_model, parse_dtype
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request, RequestStatus
-from .sampling import Sampler, sample_on_device
+from .sampling import Sampler, sample_batch
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledRequest, Scheduler
 from .detokenizer import update_text
@@ -112,8 +115,10 @@ class LLMEngine:
                  speculative_eagle_topk: int | None = None, speculative_num_draft_tokens: int | None = None,
                  speculative_ddtree_budget: int | None = None, disable_cuda_graph: bool = False,
                  cuda_graph_max_bs: int | None = None, cuda_graph_bs: list[int] | None = None,
-                 cuda_graph_backend: str = "full", num_scheduler_steps: int = 1, tune_gemv: bool = True) -> None:
+                 cuda_graph_backend: str = "full", num_scheduler_steps: int = 1, tune_gemv: bool = True,
+                 enable_mixed_chunk: bool = False) -> None:
         self.num_scheduler_steps = check_num_scheduler_steps(num_scheduler_steps)
+        self.enable_mixed_chunk = enable_mixed_chunk
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.device)
         self.rng = torch.Generator().manual_seed(seed)
@@ -223,7 +228,7 @@ class LLMEngine:
             request_id=request_id, prompt=text, prompt_token_ids=ids, params=params,
             generator=torch.Generator().manual_seed(seed),
             metrics=RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(ids)),
-            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids, seed=seed,
         )
         if params.logprobs is not None:
             req.logprobs = []
@@ -269,21 +274,36 @@ class LLMEngine:
                 return []
             if self.spec is not None:
                 return self.spec.step(sched.scheduled)
-            batch, sampled = self._build_batch(sched.scheduled)
-            out = self.run_model(batch)
-            for s in sched.scheduled:
-                s.request.num_computed_tokens += s.num_tokens
-            reqs = [s.request for s in sampled]
-            tokens, logprobs = self.sampler.sample(out.logits, reqs)
-            return [self._postprocess(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs)]
+            outputs: list[RequestOutput] = []
+            for part in self._split_mixed(sched.scheduled):
+                batch, sampled = self._build_batch(part)
+                out = self.run_model(batch)
+                for s in part:
+                    s.request.num_computed_tokens += s.num_tokens
+                reqs = [s.request for s in sampled]
+                tokens, logprobs = self.sampler.sample(out.logits, reqs)
+                outputs += [self._postprocess(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs)]
+            return outputs
+
+    def _split_mixed(self, scheduled: list[ScheduledRequest]) -> list[list[ScheduledRequest]]:
+        """With decode graphs: [decodes, prefill chunks] when a step has both (each part its own
+        forward: the decodes replay a graph); otherwise the step as one part."""
+        if self.graph_runner is None or self.enable_mixed_chunk:
+            return [scheduled]
+        # a decode: one token that completes the request's known tokens (its logits are wanted)
+        decodes = [s for s in scheduled if s.num_tokens == 1 and s.request.num_computed_tokens + 1 == s.request.num_tokens]
+        if not decodes or len(decodes) == len(scheduled):
+            return [scheduled]
+        chosen = {id(s) for s in decodes}
+        return [decodes, [s for s in scheduled if id(s) not in chosen]]
 
     # ---- multi-step decode -----------------------------------------------------------------
     @staticmethod
     def _window_eligible(req: Request) -> bool:
         """Can this request's next tokens be chosen on the device, with no host data per step? Not with
         penalties (they count the tokens just sampled), logprobs (computed per step on the host) or
-        min_tokens still to reach (stop ids masked by count). Sampling is fine: its noise comes from
-        the request's host generator in the same order as single steps would draw it."""
+        min_tokens still to reach (stop ids masked by count). Sampling is fine: draw k's noise is a hash
+        of (seed, k), the same whichever step kind makes the draw."""
         p = req.params
         return not p.has_penalties and p.logprobs is None and len(req.output_token_ids) >= p.min_tokens
 
@@ -323,7 +343,7 @@ class LLMEngine:
 
     def _multi_step(self, scheduled: list[ScheduledRequest], num_steps: int) -> list[RequestOutput]:
         """num_steps decode forwards, each replaying the decode graph, each fed the tokens the previous one
-        chose on the device (argmax; sampled requests: the exponential race with host-drawn noise)."""
+        chose on the device (argmax; sampled requests: Sampler's exponential race, batched)."""
         reqs = [s.request for s in scheduled]
         window = self._build_window(reqs, num_steps)
         sampled_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
@@ -333,8 +353,8 @@ class LLMEngine:
             out = self.run_model(window.batch(step, ids))
             # choose before the next replay overwrites the graph's logits; the same ops as Sampler.sample
             ids = out.logits.argmax(-1)
-            for i in sampled_rows:
-                ids[i] = sample_on_device(out.logits[i], reqs[i])
+            if sampled_rows:
+                ids[sampled_rows] = sample_batch(out.logits[sampled_rows], [reqs[i] for i in sampled_rows])
             step_tokens.append(ids)
         tokens = torch.stack(step_tokens).tolist()  # the window's one device -> host sync
         outputs = []

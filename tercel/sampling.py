@@ -62,27 +62,74 @@ def target_probs(logits: torch.Tensor, req: Request) -> torch.Tensor:
     return filter_logits(processed_logits(logits, req), req.params).softmax(-1)
 
 
-def draw_noise(shape: torch.Size, generator: torch.Generator, device: torch.device | None = None) -> torch.Tensor:
-    """The Exp(1) noise of one draw, from the request's own (host) generator. With a CUDA device it is
-    drawn into pinned memory and sent without a host sync (same values: the draw happens on the host)."""
-    if device is None or device.type != "cuda":
-        return torch.empty(shape, dtype=torch.float32, device="cpu").exponential_(generator=generator)
-    host = torch.empty(shape, dtype=torch.float32, pin_memory=True).exponential_(generator=generator)
-    return host.to(device, non_blocking=True)
+# splitmix64 constants as signed int64 (torch has no uint64 arithmetic; int64 products wrap)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
 
 
-def sample_from_probs(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One draw by the exponential race (argmax p / E, E ~ Exp(1)): equivalent to multinomial,
-    batch-invariant because the noise comes from the request's own generator."""
-    noise = draw_noise(probs.shape, generator)
-    return int((probs.float().cpu() / noise).argmax())
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
 
 
-def sample_on_device(logits: torch.Tensor, req: Request) -> torch.Tensor:
-    """The draw sample_from_probs makes (same noise, same race), left on logits' device as a 0-d tensor,
-    so multi-step decode can feed it to the next forward without a host sync. logits: [V]; no penalties."""
-    probs = target_probs(logits, req)
-    return (probs.float() / draw_noise(probs.shape, req.generator, probs.device)).argmax()
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """The splitmix64 finalizer."""
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def draw_keys(reqs: list[Request]) -> torch.Tensor:
+    """One stream key per request for its next token draw, hash of (seed, draw count); advances the
+    count. [len(reqs)] int64 on the host."""
+    seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64)
+    counts = torch.tensor([r.draws for r in reqs], dtype=torch.int64)
+    for r in reqs:
+        r.draws += 1
+    return _mix64(_mix64(seeds) + counts * _GOLDEN)
+
+
+def draw_noise(keys: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise [len(keys), vocab] on `device`: token v of row i is output v + 1 of splitmix64 started
+    at keys[i]. Counter-based, so a draw depends only on (seed, draw count, token): not on the batch, the
+    step kind or the device, and a whole batch is a few elementwise kernels with no host work per row."""
+    keys = keys.to(device, non_blocking=True)
+    idx = torch.arange(1, vocab + 1, dtype=torch.int64, device=device)
+    bits = _mix64(keys[:, None] + idx[None, :] * _GOLDEN)
+    u = (_shr(bits, 11).double() + 0.5) * 2.0 ** -53  # 53-bit uniform in (0, 1)
+    return (-torch.log(u)).float()
+
+
+def sample_probs(probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """One draw per row of probs [len(reqs), V] by the exponential race (argmax p / E, E ~ Exp(1)): the
+    same law as multinomial. Token ids [len(reqs)] stay on probs' device (no host sync)."""
+    noise = draw_noise(draw_keys(reqs), probs.shape[-1], probs.device)
+    return (probs.float() / noise).argmax(-1)
+
+
+def sample_from_probs(probs: torch.Tensor, req: Request) -> int:
+    """One draw from probs [V] with the request's stream (drafts, the verify's residual draws)."""
+    return int(sample_probs(probs[None], [req])[0])
+
+
+def sample_batch(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Sampled (T > 0) rows: each request's token from its target_probs, batched over requests that share
+    their filter settings. logits [len(reqs), V]; token ids [len(reqs)] stay on logits' device."""
+    out = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(reqs):
+        p = r.params
+        plain = not p.has_penalties and not p.min_tokens
+        groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p) if plain else ("row", i), []).append(i)
+    for key, rows in groups.items():
+        sub = [reqs[i] for i in rows]
+        if key[0] == "row":  # penalties / min_tokens depend on the request's own tokens
+            probs = target_probs(logits[rows[0]], sub[0])[None]
+        else:
+            probs = filter_logits(logits[rows], sub[0].params).softmax(-1)
+        out[rows] = sample_probs(probs, sub)
+    return out
 
 
 class Sampler:
@@ -95,17 +142,14 @@ class Sampler:
         # all-greedy batches (the common case) skip the row gather: one argmax, one device->host copy
         rows = logits if len(greedy_rows) == len(reqs) else logits[greedy_rows]
         greedy_ids = rows.argmax(-1).tolist() if greedy_rows else []
-        greedy_map = dict(zip(greedy_rows, greedy_ids))
+        chosen = dict(zip(greedy_rows, greedy_ids))
+        sampled_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if sampled_rows:  # one batched draw, one device->host copy
+            chosen.update(zip(sampled_rows, sample_batch(logits[sampled_rows], [reqs[i] for i in sampled_rows]).tolist()))
         for i, req in enumerate(reqs):
             row = logits[i]
-            if i in greedy_map:
-                tok = greedy_map[i]
-            else:
-                x = processed_logits(row, req)
-                if req.params.greedy:
-                    tok = int(x.argmax())
-                else:
-                    tok = sample_from_probs(filter_logits(x, req.params).softmax(-1), req.generator)
+            # greedy with penalties / min_tokens: argmax of the processed logits
+            tok = chosen[i] if i in chosen else int(processed_logits(row, req).argmax())
             tokens.append(tok)
             logprobs.append(self._logprobs(row, tok, req.params.logprobs) if req.params.logprobs is not None else None)
         return tokens, logprobs

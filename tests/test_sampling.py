@@ -10,12 +10,12 @@ import torch
 from tercel import SamplingParams
 from tercel.outputs import RequestMetrics
 from tercel.request import Request
-from tercel.sampling import Sampler, apply_penalties
+from tercel.sampling import Sampler, apply_penalties, draw_keys, draw_noise, sample_batch
 
 
 def _req(params: SamplingParams, seed: int, prompt=(1, 2, 3), output=()) -> Request:
     return Request("r", None, list(prompt), params, torch.Generator().manual_seed(seed), RequestMetrics(0.0),
-                   output_token_ids=list(output))
+                   output_token_ids=list(output), seed=seed)
 
 
 def _allowed(logits: torch.Tensor, p: SamplingParams) -> set[int]:
@@ -67,6 +67,37 @@ def test_sampling_frequencies_follow_the_filtered_distribution():
     counts = torch.bincount(torch.tensor(tokens), minlength=6).double() / len(tokens)
     assert counts[3:].sum() == 0
     assert torch.allclose(counts[:3], expected.double(), atol=0.03)
+
+
+def test_noise_is_exponential_and_depends_only_on_seed_and_draw_count():
+    from scipy.stats import kstest
+
+    reqs = [_req(SamplingParams(temperature=1.0), seed=s) for s in (3, 3, 4)]
+    e = draw_noise(draw_keys(reqs), 50_000, torch.device("cpu"))
+    assert torch.equal(e[0], e[1]) and not torch.equal(e[0], e[2])  # same seed and count: same draw
+    assert kstest(e[0].double().numpy(), "expon").pvalue > 0.01 and kstest(e[2].double().numpy(), "expon").pvalue > 0.01
+    assert [r.draws for r in reqs] == [1, 1, 1]
+    e2 = draw_noise(draw_keys(reqs[:1]), 50_000, torch.device("cpu"))  # the next draw of the stream differs
+    assert not torch.equal(e2[0], e[0]) and abs(float(torch.corrcoef(torch.stack([e2[0], e[0]]))[0, 1])) < 0.02
+
+
+def test_a_requests_draws_do_not_depend_on_its_batch():
+    """The same request (seed) gets the same tokens alone or in any batch, at any row, beside other
+    filter settings: its noise is a function of (seed, draw count) only."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 300, generator=g) * 3
+    p = SamplingParams(temperature=0.8, top_p=0.9)
+    others = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, top_k=7), p]
+    alone = [[int(sample_batch(logits[i:i + 1], [r])[0]) for _ in range(4)]
+             for i, r in enumerate([_req(p, seed=10 + i) for i in range(6)])]
+    reqs = [_req(p, seed=10 + i) for i in range(6)]
+    for _ in range(4):
+        batch = [_req(others[j % 3], seed=99 + j) for j in range(5)] + reqs[::-1]
+        rows = torch.cat([torch.randn(5, 300, generator=g), logits.flip(0)])
+        toks = sample_batch(rows, batch).tolist()[5:][::-1]
+        for i in range(6):
+            alone[i].append(toks[i])
+    assert all(a[:4] == a[4:] for a in alone) and len({tuple(a) for a in alone}) > 1
 
 
 def test_penalties():

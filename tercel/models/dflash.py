@@ -96,14 +96,16 @@ class DFlashAttention(nn.Module):
         return apply_rope(k, cos, sin), self.v_proj(x).view(-1, self.hkv, self.d)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, ctx_mask: torch.Tensor) -> torch.Tensor:
-        """x: [B, S, H] block rows; ctx_k/v: [B, C, Hkv, D] gathered context; ctx_mask: [B, C] valid."""
+                ctx_v: torch.Tensor, ctx_mask: torch.Tensor, block_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, S, H] block rows; ctx_k/v: [B, C, Hkv, D] gathered context; ctx_mask: [B, C] valid;
+        block_mask: [B, S] block rows that exist as keys (None: all)."""
         b, s, _ = x.shape
         q = apply_rope(self.q_norm(self.q_proj(x).view(b * s, self.h, self.d)), cos, sin)
         k, v = self.kv(x.reshape(b * s, -1), cos, sin)
         keys = torch.cat([ctx_k, k.view(b, s, self.hkv, self.d)], dim=1).transpose(1, 2)
         values = torch.cat([ctx_v, v.view(b, s, self.hkv, self.d)], dim=1).transpose(1, 2)
-        mask = torch.cat([ctx_mask, ctx_mask.new_ones(b, s)], dim=1)[:, None, None, :]  # non-causal block
+        block_mask = ctx_mask.new_ones(b, s) if block_mask is None else block_mask
+        mask = torch.cat([ctx_mask, block_mask], dim=1)[:, None, None, :]  # non-causal block
         out = F.scaled_dot_product_attention(q.view(b, s, self.h, self.d).transpose(1, 2), keys, values,
                                              attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
@@ -143,16 +145,20 @@ class DFlashDraftModel(nn.Module):
             cache.write(i, slots, k, v)
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, ctx_slots: torch.Tensor,
-                ctx_mask: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
+                ctx_mask: torch.Tensor, cache: PagedKVCache, block_lens: torch.Tensor | None = None) -> torch.Tensor:
         """block_embeds: [B, S, H] (target embeddings x input_embedding_scale); positions: [B, S];
-        ctx_slots / ctx_mask: [B, C] cache slots of each request's context and their validity.
-        Returns the normed hidden states [B, S, H]; logits come from the target's lm_head."""
+        ctx_slots / ctx_mask: [B, C] cache slots of each request's context and their validity;
+        block_lens: [B] a shorter block per request (the rows past it are neither keys nor used), as
+        the reference drafts near the end of a request. Returns the normed hidden states [B, S, H];
+        logits come from the target's lm_head."""
         b, s, _ = block_embeds.shape
+        block_mask = None if block_lens is None else \
+            torch.arange(s, device=block_embeds.device)[None, :] < block_lens.to(block_embeds.device)[:, None]
         cos, sin = self.rope.lookup(positions.reshape(-1))
         h = block_embeds
         for i, layer in enumerate(self.layers):
             ctx_k, ctx_v = cache.k[i][ctx_slots], cache.v[i][ctx_slots]
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, ctx_k, ctx_v, ctx_mask)
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, ctx_k, ctx_v, ctx_mask, block_mask)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 

@@ -155,20 +155,26 @@ class DFlashDrafter(Drafter):
         block_ids = torch.full((len(reqs), s), self.mask_token_id, dtype=torch.long)
         block_ids[:, 0] = torch.tensor([r.output_token_ids[-1] for r in reqs])
         positions = torch.tensor(ctx_lens)[:, None] + torch.arange(s)[None, :]
+        # no drafts past what a request may still generate: its block shrinks there, like the reference's
+        # (the block is attended non-causally, so its length changes every draft)
+        max_len = eng.config.max_model_len
+        n_drafts = [max(1, min(s - 1, r.params.max_tokens - len(r.output_token_ids), max_len - r.num_tokens))
+                    for r in reqs]
+        block_lens = None if min(n_drafts) == s - 1 else torch.tensor(n_drafts) + 1
         target = eng.model
         embeds = target.embed_tokens(block_ids.to(dev)) * self.draft.config.input_embedding_scale
-        hidden = self.draft(embeds, positions.to(dev), ctx_slots.to(dev), ctx_mask.to(dev), self.cache)
+        hidden = self.draft(embeds, positions.to(dev), ctx_slots.to(dev), ctx_mask.to(dev), self.cache, block_lens)
         logits = target.compute_logits(hidden[:, 1:]) * self.draft.config.output_multiplier  # [B, S-1, V]
         trees = []
         for i, r in enumerate(reqs):
-            root = r.output_token_ids[-1]
+            root, row = r.output_token_ids[-1], logits[i, :n_drafts[i]]
             if self.tree_budget is not None:
-                lp, tk = logits[i].float().log_softmax(-1).topk(self.tree_topk, dim=-1)
+                lp, tk = row.float().log_softmax(-1).topk(self.tree_topk, dim=-1)
                 trees.append(build_ddtree(lp.cpu(), tk.cpu(), root, self.tree_budget))
             elif r.params.greedy:
-                trees.append(DraftTree.chain(root, logits[i].argmax(-1).tolist()))
+                trees.append(DraftTree.chain(root, row.argmax(-1).tolist()))
             else:
-                q = filter_logits(logits[i].float(), r.params).softmax(-1).cpu()
-                drafts = [sample_from_probs(q[j], r.generator) for j in range(q.shape[0])]
+                q = filter_logits(row.float(), r.params).softmax(-1).cpu()
+                drafts = [sample_from_probs(q[j], r) for j in range(q.shape[0])]
                 trees.append(DraftTree.chain(root, drafts, list(q)))
         return trees

@@ -25,7 +25,7 @@ from ..forward_batch import CaptureHiddenMode
 from ..kv import PagedKVCache
 from ..models.eagle3 import EagleDraftModel, load_eagle_draft
 from ..request import Request
-from ..sampling import filter_logits, sample_from_probs
+from ..sampling import filter_logits, sample_probs
 from .drafter import Drafter, ExtendedChunk
 from .tree import DraftTree, select_tree_nodes
 from .verify import Accepted
@@ -209,7 +209,7 @@ class EagleDrafter(Drafter):
             scores, idx = probs.topk(k, dim=-1)
             if sample_rows:
                 # q: the request's own filters applied to the draft logits (one batched filter per
-                # distinct filter setting), then one draw per request from its own generator
+                # distinct filter setting), then one draw per request from its own stream
                 groups: dict[tuple, list[int]] = {}
                 for i in sample_rows:
                     p = reqs[i].params
@@ -219,8 +219,8 @@ class EagleDrafter(Drafter):
                     q_draft = filter_logits(logits[rows_, 0], reqs[rows_[0]].params).softmax(-1).float().cpu()
                     q_full = torch.zeros(len(rows_), self.vocab_size, dtype=torch.float32)
                     q_full[:, target_ids] = q_draft
+                    idx[rows_, 0, 0] = sample_probs(q_draft, [reqs[i] for i in rows_]).to(idx.device)
                     for row, i in enumerate(rows_):
-                        idx[i, 0, 0] = sample_from_probs(q_draft[row], reqs[i].generator)
                         qs[i].append(q_full[row])
             sampled = set(sample_rows)
             for i in range(b):

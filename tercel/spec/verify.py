@@ -103,6 +103,6 @@ def accept_sampling(tree: DraftTree, logits: torch.Tensor, req: Request) -> Acce
             else:
                 p /= total
         if accepted is None:
-            return Accepted(nodes, sample_from_probs(p, gen))
+            return Accepted(nodes, sample_from_probs(p, req))
         nodes.append(accepted)
         cur = accepted
