@@ -25,6 +25,6 @@ def test_noise_and_draws_equal_on_cpu_and_gpu():
     torch.testing.assert_close(gpu, cpu, rtol=1e-6, atol=0)
     logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(0)) * 4
     p = SamplingParams(temperature=0.8, top_p=0.9)
-    on_cpu = [sample_batch(logits, _reqs(p, seeds)).tolist() for _ in range(1)]
-    on_gpu = [sample_batch(logits.cuda(), _reqs(p, seeds)).cpu().tolist() for _ in range(1)]
-    assert on_cpu == on_gpu
+    cpu_reqs, gpu_reqs = _reqs(p, seeds), _reqs(p, seeds)
+    for _ in range(3):  # successive draws of the same streams
+        assert sample_batch(logits, cpu_reqs).tolist() == sample_batch(logits.cuda(), gpu_reqs).cpu().tolist()
