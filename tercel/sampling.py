@@ -81,13 +81,14 @@ def _mix64(x: torch.Tensor) -> torch.Tensor:
 
 
 def draw_keys(reqs: list[Request]) -> torch.Tensor:
-    """One stream key per request for its next token draw, hash of (seed, draw count); advances the
-    count. [len(reqs)] int64 on the host."""
-    seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64)
-    counts = torch.tensor([r.draws for r in reqs], dtype=torch.int64)
+    """One stream key per entry for its next token draw, hash of (seed, draw count); advances the
+    count, so a request listed k times takes its next k draws. [len(reqs)] int64 on the host."""
+    counts = []
     for r in reqs:
+        counts.append(r.draws)
         r.draws += 1
-    return _mix64(_mix64(seeds) + counts * _GOLDEN)
+    seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64)
+    return _mix64(_mix64(seeds) + torch.tensor(counts, dtype=torch.int64) * _GOLDEN)
 
 
 def draw_noise(keys: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
@@ -145,7 +146,8 @@ class Sampler:
         chosen = dict(zip(greedy_rows, greedy_ids))
         sampled_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if sampled_rows:  # one batched draw, one device->host copy
-            chosen.update(zip(sampled_rows, sample_batch(logits[sampled_rows], [reqs[i] for i in sampled_rows]).tolist()))
+            rows = logits if len(sampled_rows) == len(reqs) else logits[sampled_rows]
+            chosen.update(zip(sampled_rows, sample_batch(rows, [reqs[i] for i in sampled_rows]).tolist()))
         for i, req in enumerate(reqs):
             row = logits[i]
             # greedy with penalties / min_tokens: argmax of the processed logits

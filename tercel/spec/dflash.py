@@ -22,7 +22,7 @@ from ..forward_batch import CaptureHiddenMode
 from ..kv import PagedKVCache
 from ..models.dflash import DFlashDraftModel, load_dflash
 from ..request import Request
-from ..sampling import filter_logits, sample_from_probs
+from ..sampling import filter_logits, sample_probs
 from .drafter import Drafter, ExtendedChunk
 from .tree import DraftTree
 from .verify import Accepted
@@ -175,6 +175,6 @@ class DFlashDrafter(Drafter):
                 trees.append(DraftTree.chain(root, row.argmax(-1).tolist()))
             else:
                 q = filter_logits(row.float(), r.params).softmax(-1).cpu()
-                drafts = [sample_from_probs(q[j], r) for j in range(q.shape[0])]
+                drafts = sample_probs(q, [r] * q.shape[0]).tolist()  # the request's next draws, in order
                 trees.append(DraftTree.chain(root, drafts, list(q)))
         return trees

@@ -19,6 +19,7 @@ import logging
 import math
 import random
 import sysconfig
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,8 +162,6 @@ def synth_user_prompts(llm, n: int, seed: int = 0, max_tokens: int = 96, tempera
     """Up to n distinct user messages written by the target itself: sampled after the user-turn
     prefix, kept only when the model ended the turn (finish 'stop') and the text is 10-600 chars;
     the eval prompts are excluded. Needs a chat template."""
-    import time
-
     from ..sampling_params import SamplingParams
 
     if n <= 0:
@@ -195,8 +194,6 @@ def make_dataset(llm, num_prompts: int, synth_prompts: int, max_new_tokens: int,
     """The self-distillation dataset: num_prompts offline prompts plus synth_prompts the target wrote,
     shuffled together, answered by the target. time_budget_s bounds the whole job (a fifth of it at
     most goes to writing prompts)."""
-    import time
-
     start = time.perf_counter()
     synth = synth_user_prompts(llm, synth_prompts, seed, wave=wave,
                                time_budget_s=None if time_budget_s is None else time_budget_s / 5)
@@ -216,8 +213,6 @@ def generate_responses(llm, prompts: list[str], max_new_tokens: int, temperature
     """The target answers the prompts (chat template applied) with Tercel's engine, `wave` requests
     at a time (the scheduler batches them); stops starting waves once time_budget_s has passed.
     Token ids only: detokenization is skipped for speed."""
-    import time
-
     from ..sampling_params import SamplingParams
 
     tok = llm.tokenizer
