@@ -200,7 +200,71 @@ def check_gemv(device: str, dtype: torch.dtype) -> None:
         assert torch.equal(lin(x3), F.linear(x3, lin.weight))
 
 
-ALL = [check_norms, check_rope_store, check_decode, check_extend, check_gemv]
+def check_gemv_fused(device: str, dtype: torch.dtype) -> None:
+    """The batch-1 decode GEMVs with their prologue / epilogue equal the unfused kernels they replace."""
+    from tercel.kernels.fused import rms_norm, silu_mul
+    from tercel.kernels.gemv import GemvConfig, gemv
+
+    g = torch.Generator(device="cpu").manual_seed(6)
+    configs = [GemvConfig(block_n=8, block_k=128), GemvConfig(block_n=16, block_k=64, split_k=3),
+               GemvConfig(block_n=4, block_k=256, split_k=2, num_warps=8)]
+    for n, k in [(96, 256), (77, 300)]:
+        w = torch.randn(n, k, generator=g).to(device, dtype)
+        x = torch.randn(1, k, generator=g).to(device, dtype)
+        gu = torch.randn(1, 2 * k, generator=g).to(device, dtype)
+        r = torch.randn(1, n, generator=g).to(device, dtype)
+        nw = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
+        want_norm = gemv(rms_norm(x, nw, 1e-5), w, configs[0])
+        want_silu = r + gemv(silu_mul(gu), w, configs[0])
+        want_add = r + gemv(x, w, configs[0])
+        for c in configs:
+            y = gemv(x, w, c, norm_weight=nw, eps=1e-5)
+            assert y.shape == (1, n) and y.dtype == dtype
+            assert _rel(y, want_norm) < _tol(dtype) / 4, (n, k, c, "norm")
+            assert _rel(gemv(gu, w, c, silu=True, residual=r), want_silu) < _tol(dtype) / 4, (n, k, c, "silu")
+            assert _rel(gemv(x, w, c, residual=r), want_add) < _tol(dtype) / 4, (n, k, c, "add")
+        ref = F.linear(rms_norm(x, nw, 1e-5).double(), w.double())  # and against float64
+        assert _rel(gemv(x, w, configs[1], norm_weight=nw, eps=1e-5), ref) < _tol(dtype)
+
+
+def check_decode_rope(device: str, dtype: torch.dtype) -> None:
+    """One-launch decode (RoPE + K/V store + split attention + in-kernel merge) equals rope_store followed
+    by decode_attention: output, stored K/V, untouched cache elsewhere; counters left at zero."""
+    from tercel.kernels.attention import decode_attention, decode_attention_rope
+    from tercel.kernels.fused import rope_store
+
+    nq, nkv, d, page = 8, 2, 64, 16
+    seq_lens = [1, 17, 100, 64, 250]
+    kc, vc, bt = _paged_case(device, dtype, seq_lens, nq, nkv, d, page, seed=7)
+    g = torch.Generator(device="cpu").manual_seed(8)
+    b = len(seq_lens)
+    qkv = torch.randn(b, (nq + 2 * nkv) * d, generator=g).to(device, dtype)
+    qk = qkv[:, :(nq + nkv) * d].view(b, nq + nkv, d)
+    v = qkv[:, (nq + nkv) * d:].view(b, nkv, d)
+    ang = torch.rand(b, d // 2, generator=g) * 6
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(device, dtype)[:, None, :]
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(device, dtype)[:, None, :]
+    sl = torch.tensor(seq_lens, device=device)
+    pos = sl - 1
+    loc = bt.gather(1, (pos // page)[:, None])[:, 0] * page + pos % page  # the new token's slot
+    counters = torch.zeros(b * nkv + 3, dtype=torch.int32, device=device)
+    scale = d ** -0.5
+    for splits in (1, 3, 8):
+        for window in (None, 40):
+            kc_ref, vc_ref, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+            q = rope_store(qk, v, cos, sin, loc, kc_ref, vc_ref, nq)
+            want = decode_attention(q, kc_ref, vc_ref, bt, sl, page, scale, splits, window=window)
+            out = decode_attention_rope(qk, v, cos, sin, loc, kc2, vc2, bt, sl, page, scale, splits, counters,
+                                        window=window)
+            assert out.shape == want.shape and out.dtype == dtype
+            assert _rel(out, want) < _tol(dtype) / 4, (splits, window, _rel(out, want))
+            assert _rel(kc2[loc], kc_ref[loc]) < _tol(dtype) / 4 and torch.equal(vc2, vc_ref), (splits, window)
+            kc2[loc] = kc_ref[loc]
+            assert torch.equal(kc2, kc_ref), "keys written outside out_cache_loc"
+            assert int(counters.abs().sum()) == 0, "split counters must be left at zero"
+
+
+ALL = [check_norms, check_rope_store, check_decode, check_extend, check_gemv, check_gemv_fused, check_decode_rope]
 
 
 def run_all(device: str, dtype: torch.dtype) -> None:

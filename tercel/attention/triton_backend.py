@@ -2,7 +2,8 @@
 
 Decode batches use the split-KV decode kernel; everything else (prefill chunks, verify blocks,
 trees with custom masks) the extend kernel. RoPE and the K/V store are fused into one kernel
-(forward_rope). Metadata is a handful of device tensors, so capture_metadata is cheap and
+(forward_rope); for decode batches that kernel is the attention itself (decode_attention_rope: one
+launch per layer instead of three), unless TERCEL_FUSED_DECODE=0. Metadata is a handful of device tensors, so capture_metadata is cheap and
 graph-safe, and replays need no prepare_replay.
 """
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch
 
 from ..forward_batch import ForwardBatch
 from ..graphs.breakable import eager_break
-from ..kernels.attention import decode_attention, decode_splits, extend_attention
+from ..kernels import fused_decode_enabled
+from ..kernels.attention import decode_attention, decode_attention_rope, decode_splits, extend_attention
 from ..kernels.fused import rope_store
 from ..kv import PagedKVCache
 from .base import AttentionBackend
@@ -46,6 +48,9 @@ class TritonAttentionBackend(AttentionBackend):
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
         self.num_sms = num_sms
+        # arrival counters of the one-launch decode (zero between launches); allocated on the first decode,
+        # which comes before any capture (the runner warms up eagerly), never replaced: graphs bind it
+        self._split_counters: torch.Tensor | None = None
 
     def _decode_meta(self, batch: ForwardBatch, block_size: int) -> TritonAttentionMetadata:
         splits = decode_splits(batch.block_tables.shape[0], self.num_kv_heads, self.num_sms)
@@ -96,8 +101,21 @@ class TritonAttentionBackend(AttentionBackend):
     def forward_rope(self, layer: int, qk: torch.Tensor, v: torch.Tensor,
                      cos_sin: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
                      meta: TritonAttentionMetadata, kv: PagedKVCache) -> torch.Tensor:
+        if meta.decode and fused_decode_enabled():
+            counters = self.split_counters(qk.shape[0], qk.device) if meta.num_splits > 1 else None
+            if meta.num_splits == 1 or counters is not None:
+                return attend_rope(self, layer, qk, v, cos_sin, batch.out_cache_loc, meta, kv)
         q = rope_store(qk, v, cos_sin[0], cos_sin[1], batch.out_cache_loc, kv.k[layer], kv.v[layer], self.num_heads)
         return attend(self, layer, q, meta, kv)
+
+    def split_counters(self, batch_size: int, device: torch.device) -> torch.Tensor | None:
+        """The decode kernel's split counters, or None if this batch needs more than were allocated (never
+        with the default split count: it splits only batches with batch_size * Hkv <= num_sms)."""
+        if self._split_counters is None:
+            n = max(batch_size * self.num_kv_heads, 2 * self.num_sms)
+            self._split_counters = torch.zeros(n, dtype=torch.int32, device=device)
+        c = self._split_counters
+        return c if c.numel() >= batch_size * self.num_kv_heads and c.device == device else None
 
 
 @eager_break
@@ -114,3 +132,16 @@ def attend(backend: TritonAttentionBackend, layer: int, q: torch.Tensor, meta: T
                                meta.max_q_len, meta.page_size, backend.scale, window=backend.sliding_window,
                                masks=meta.masks, mask_offsets=meta.mask_offsets)
     return out.reshape(q.shape[0], -1)
+
+
+@eager_break
+def attend_rope(backend: TritonAttentionBackend, layer: int, qk: torch.Tensor, v: torch.Tensor,
+                cos_sin: tuple[torch.Tensor, torch.Tensor], out_cache_loc: torch.Tensor, meta: TritonAttentionMetadata,
+                kv: PagedKVCache) -> torch.Tensor:
+    """Decode attention with RoPE and the K/V store, one launch: qk [B, H + Hkv, D], v [B, Hkv, D] ->
+    [B, H * D]. An eager break like attend (the store happens inside it, so a breakable replay re-runs it)."""
+    counters = backend.split_counters(qk.shape[0], qk.device) if meta.num_splits > 1 else None
+    out = decode_attention_rope(qk, v, cos_sin[0], cos_sin[1], out_cache_loc, kv.k[layer], kv.v[layer],
+                                meta.block_tables, meta.seq_lens, meta.page_size, backend.scale, meta.num_splits,
+                                counters, window=backend.sliding_window)
+    return out.reshape(qk.shape[0], -1)

@@ -3,9 +3,13 @@
 
 `use_triton(t, *params)` is the one switch the model and attention code consult; TERCEL_DISABLE_TRITON=1
 turns every kernel off (debugging: compare against the PyTorch path on the same GPU).
+TERCEL_FUSED_DECODE=0 keeps batch-1 decode on the unfused kernels (norm, SwiGLU and residual adds as
+their own launches) and TERCEL_PDL=0 launches without programmatic dependent launch: both for
+side-by-side measurements.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -35,3 +39,22 @@ def use_triton(t: torch.Tensor, *params: torch.Tensor) -> bool:
     if torch.is_grad_enabled() and (t.requires_grad or any(p.requires_grad for p in params)):
         return False
     return triton_enabled()
+
+
+def fused_decode_enabled() -> bool:
+    """Batch-1 decode folds RMSNorm, SwiGLU and the residual adds into the GEMVs (models/llama.py)."""
+    return os.environ.get("TERCEL_FUSED_DECODE", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _has_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9  # griddepcontrol: Hopper and later
+
+
+def pdl_enabled(t: torch.Tensor) -> bool:
+    """Launch the decode kernels with programmatic dependent launch: a kernel's blocks start while the
+    previous kernel drains and stream their weights, then wait (griddepcontrol.wait) before touching its
+    output. Not under the interpreter, nor before Hopper."""
+    if _INTERPRET or not t.is_cuda or os.environ.get("TERCEL_PDL", "1") == "0":
+        return False
+    return _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())

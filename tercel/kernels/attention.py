@@ -6,6 +6,8 @@ decode_attention   one query per request. Split-KV ("flash decoding"): grid (B, 
                    keys (the share is computed in the kernel from seq_lens, so a captured graph
                    serves any length); a second kernel merges the splits by their log-sum-exp.
                    With one split the first kernel writes the output directly.
+decode_attention_rope  the decode step in one launch: RoPE + K/V store + split-KV attention, the splits
+                   merged by the last program of each (request, KV head) to finish (an arrival counter).
 extend_attention   several queries per request (prefill chunks, verify blocks, trees): causal over
                    prefix + new tokens, or, per request, a custom [q, q] mask among the new tokens.
 
@@ -19,30 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl_enabled
+
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _decode_split_kernel(Q, KC, VC, BT, SL, O, PO, PL,
-                         stride_qb, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
-                         stride_ob, stride_oh, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-                         qk_scale, window,
-                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(SL + b).to(tl.int32)
-    per = tl.cdiv(seq_len, NUM_SPLITS)
-    start = split * per
-    end = tl.minimum(start + per, seq_len)
-    if window > 0:
-        start = tl.maximum(start, seq_len - window)
-    g = tl.arange(0, GROUP_PAD)
+def _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
+                 qk_scale, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """Online softmax of q [GROUP_PAD, D] over one KV head's keys [start, end): (max, sum, unnormalised out)."""
     d = tl.arange(0, HEAD_DIM)
-    gm = g < GROUP
-    heads = kvh * GROUP + g
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -67,6 +56,32 @@ def _decode_split_kernel(Q, KC, VC, BT, SL, O, PO, PL,
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _decode_split_kernel(Q, KC, VC, BT, SL, O, PO, PL,
+                         stride_qb, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
+                         stride_ob, stride_oh, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+                         qk_scale, window,
+                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SL + b).to(tl.int32)
+    per = tl.cdiv(seq_len, NUM_SPLITS)
+    start = split * per
+    end = tl.minimum(start + per, seq_len)
+    if window > 0:
+        start = tl.maximum(start, seq_len - window)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    gm = g < GROUP
+    heads = kvh * GROUP + g
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
+    m_i, l_i, acc = _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                                 stride_bt, qk_scale, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, IEEE)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
@@ -233,4 +248,123 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, window or 0,
         GROUP=heads // kv_heads, HEAD_DIM=dim, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=64 if dim <= 128 else 32,
         HAS_MASK=has_mask, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+    return out
+
+
+@triton.jit
+def _decode_rope_kernel(QK, V, COS, SIN, LOC, KC, VC, BT, SL, O, PO, PL, CNT,
+                        stride_qkt, stride_qkh, stride_vt, stride_vh, stride_ct, stride_st,
+                        stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
+                        stride_ob, stride_oh, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+                        qk_scale, window,
+                        NQ: tl.constexpr, NKV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                        SPLITS_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    seq_len = tl.load(SL + b).to(tl.int32)
+    per = tl.cdiv(seq_len, NUM_SPLITS)
+    start = split * per
+    end = tl.minimum(start + per, seq_len)
+    if window > 0:
+        start = tl.maximum(start, seq_len - window)
+    d = tl.arange(0, HEAD_DIM)
+    # RoPE as fused.rope_store: out[d] = x[d] cos[d] -+ x[d +- D/2] sin[d] (minus in the first half)
+    partner = (d + HEAD_DIM // 2) % HEAD_DIM
+    sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
+    c = tl.load(COS + b * stride_ct + d).to(tl.float32)
+    sn = tl.load(SIN + b * stride_st + d).to(tl.float32)
+    if split == (seq_len - 1) // per:  # this split's keys end with the new token: rotate and store it first
+        kp = QK + b * stride_qkt + (NQ + kvh) * stride_qkh
+        kx = tl.load(kp + d).to(tl.float32)
+        kxp = tl.load(kp + partner).to(tl.float32)
+        loc = tl.load(LOC + b).to(tl.int64)
+        tl.store(KC + loc * stride_kcs + kvh * stride_kch + d, (kx * c + sign * kxp * sn).to(KC.dtype.element_ty))
+        tl.store(VC + loc * stride_vcs + kvh * stride_vch + d, tl.load(V + b * stride_vt + kvh * stride_vh + d))
+    tl.debug_barrier()  # the new key and value are read back below, by other threads of this program
+    g = tl.arange(0, GROUP_PAD)
+    gm = g < GROUP
+    heads = kvh * GROUP + g
+    qp = QK + b * stride_qkt + heads[:, None] * stride_qkh
+    x = tl.load(qp + d[None, :], mask=gm[:, None], other=0.0)
+    xp = tl.load(qp + partner[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+    q = (x.to(tl.float32) * c[None, :] + sign[None, :] * xp * sn[None, :]).to(x.dtype)
+    m_i, l_i, acc = _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                                 stride_bt, qk_scale, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, IEEE)
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(O + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
+                 mask=gm[:, None])
+    else:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(PO + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + d[None, :], out,
+                 mask=gm[:, None])
+        tl.store(PL + b * stride_plb + heads * stride_plh + split, lse, mask=gm)
+        # the last split of this (request, KV head) to arrive merges them all (no second launch): every
+        # thread's partials are stored before the release, and read (past L1) after the acquire
+        tl.debug_barrier()
+        arrived = tl.atomic_add(CNT + b * NKV + kvh, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            s = tl.arange(0, SPLITS_PAD)
+            sm = s < NUM_SPLITS
+            for gi in tl.static_range(GROUP):  # as _decode_merge_kernel, one head at a time
+                h = kvh * GROUP + gi
+                ls = tl.load(PL + b * stride_plb + h * stride_plh + s, mask=sm, other=float("-inf"),
+                             cache_modifier=".cg")
+                mx = tl.max(ls, 0)
+                w = tl.where(sm & (ls > float("-inf")), tl.exp2(ls - mx), 0.0)
+                po = tl.load(PO + b * stride_pob + h * stride_poh + s[:, None] * stride_pos + d[None, :],
+                             mask=sm[:, None], other=0.0, cache_modifier=".cg")
+                merged = tl.sum(po * w[:, None], 0) / tl.sum(w, 0)
+                tl.store(O + b * stride_ob + h * stride_oh + d, merged.to(O.dtype.element_ty))
+            tl.atomic_xchg(CNT + b * NKV + kvh, 0, sem="relaxed", scope="gpu")  # ready for the next layer
+
+
+def decode_attention_rope(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          out_cache_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float,
+                          num_splits: int, counters: torch.Tensor | None, window: int | None = None) -> torch.Tensor:
+    """Decode (one query per request) in ONE launch: RoPE on q and the new k, k and v stored at
+    out_cache_loc, split-KV attention over the cache, and the merge of the splits, done by the last split
+    of each (request, KV head) to finish. qk: [B, H + Hkv, D], v: [B, Hkv, D] (views into the qkv output);
+    cos/sin: [B, D] or [B, 1, D]; counters: int32 zeros, at least B * Hkv of them (needed when
+    num_splits > 1; each launch leaves them zero). Same result as rope_store + decode_attention.
+    Returns [B, H, D]."""
+    bsz, heads_all, dim = qk.shape
+    kv_heads = k_cache.shape[1]
+    heads = heads_all - kv_heads
+    group = heads // kv_heads
+    if qk.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("decode_attention_rope needs the head dimension contiguous.")
+    if dim & (dim - 1):
+        raise ValueError(f"decode_attention_rope needs a power-of-two head_dim, got {dim}.")
+    if num_splits > 1 and (counters is None or counters.numel() < bsz * kv_heads):
+        raise ValueError(f"decode_attention_rope with {num_splits} splits needs {bsz * kv_heads} split counters.")
+    out = torch.empty((bsz, heads, dim), dtype=qk.dtype, device=qk.device)
+    if bsz == 0:
+        return out
+    cos2, sin2 = cos.reshape(bsz, -1), sin.reshape(bsz, -1)
+    if num_splits > 1:
+        part_o = torch.empty((bsz, heads, num_splits, dim), dtype=torch.float32, device=qk.device)
+        part_l = torch.empty((bsz, heads, num_splits), dtype=torch.float32, device=qk.device)
+        po_strides = part_o.stride()[:3]
+        pl_strides = part_l.stride()[:2]
+    else:
+        part_o, part_l, counters = out, out, seq_lens  # unused
+        po_strides, pl_strides = (0, 0, 0), (0, 0)
+    pdl = pdl_enabled(qk)
+    _decode_rope_kernel[(bsz, kv_heads, num_splits)](
+        qk, v, cos2, sin2, out_cache_loc, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_l, counters,
+        qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), cos2.stride(0), sin2.stride(0),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1), *po_strides, *pl_strides, scale * LOG2E, window or 0,
+        NQ=heads, NKV=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
+        PAGE=page_size, BLOCK_N=64 if dim <= 128 else 32, NUM_SPLITS=num_splits,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), IEEE=qk.dtype == torch.float32, PDL=pdl,
+        num_warps=4, num_stages=2, **(dict(launch_pdl=True) if pdl else {}))
     return out

@@ -7,6 +7,15 @@ every SM streaming, so SPLIT_K > 1 also splits K: each program writes an fp32 pa
 small kernel adds the SPLIT_K partials in a fixed order (deterministic, unlike atomics).
 The model routes an M == 1 linear here only where tercel.kernels.gemv_tune measured it faster
 than cuBLAS inside a CUDA graph; benchmarks/gemv_probe.py shows the same comparison.
+
+Batch-1 decode also folds the small ops around each linear into it (one launch instead of two),
+with the rounding of the unfused kernels in fused.py:
+  norm_weight  prologue RMSNorm: x is the residual row; every program recomputes its rms over K
+               (K reads from L2, cheap beside its BLOCK_N x K weights) and normalises each chunk
+  silu         prologue SwiGLU: x is the gate_up row [2K], the input is silu(gate) * up
+  residual     epilogue: returns residual + x @ W^T (the product rounded first, as an add after it)
+With pdl the first weight chunk is read before griddepcontrol.wait, so it streams while the previous
+kernel drains; nothing the previous kernel writes is read, and nothing is written, before the wait.
 """
 from __future__ import annotations
 
@@ -15,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from . import pdl_enabled
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,51 +37,102 @@ class GemvConfig:
 
 
 @triton.jit
-def _gemv_kernel(X, W, Y, K, K_PER_SPLIT, stride_w, N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT: tl.constexpr):
+def _gemv_kernel(X, W, Y, R, NW, K, K_PER_SPLIT, stride_w, N, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, SILU: tl.constexpr,
+                 ADD: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = rows < N
     cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     w_ptr = W + rows.to(tl.int64)[:, None] * stride_w + cols[None, :]
+    # weights never depend on the previous kernel: the first chunk is in flight before the wait
+    w = tl.load(w_ptr + k_start, mask=rm[:, None] & (k_start + cols < k_end)[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    rstd = 0.0
+    if NORM:  # the rms of the whole row, in one read when K fits NORM_BLOCK
+        nc = tl.arange(0, NORM_BLOCK)
+        ss = tl.zeros([NORM_BLOCK], tl.float32)
+        for n0 in range(0, K, NORM_BLOCK):
+            xv = tl.load(X + n0 + nc, mask=n0 + nc < K, other=0.0).to(tl.float32)
+            ss += xv * xv
+        rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         km = k0 + cols < k_end
-        x = tl.load(X + k0 + cols, mask=km, other=0.0)
-        w = tl.load(w_ptr + k0, mask=rm[:, None] & km[None, :], other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if SILU:  # as fused.silu_mul: silu(gate) rounded, then the product rounded
+            g = tl.load(X + k0 + cols, mask=km, other=0.0)
+            u = tl.load(X + K + k0 + cols, mask=km, other=0.0)
+            gf = g.to(tl.float32)
+            s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+            x = (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+        elif NORM:  # as fused.rms_norm: normalised value rounded, times the weight, rounded
+            xv = tl.load(X + k0 + cols, mask=km, other=0.0)
+            nw = tl.load(NW + k0 + cols, mask=km, other=0.0)
+            xn = (xv.to(tl.float32) * rstd).to(xv.dtype).to(tl.float32) * nw.to(tl.float32)
+            x = xn.to(xv.dtype).to(tl.float32)
+        else:
+            x = tl.load(X + k0 + cols, mask=km, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+        nxt = k0 + BLOCK_K  # the next chunk's load overlaps this chunk's arithmetic
+        w = tl.load(w_ptr + nxt, mask=rm[:, None] & (nxt + cols < k_end)[None, :], other=0.0)
     y = tl.sum(acc, 1)
     if SPLIT == 1:
+        if ADD:
+            r = tl.load(R + rows, mask=rm, other=0.0)
+            y = y.to(Y.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
         tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rm)
     else:  # fp32 partials [SPLIT, N]
         tl.store(Y + split * N + rows, y, mask=rm)
 
 
 @triton.jit
-def _sum_splits_kernel(P, Y, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(P, Y, R, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
     acc = tl.zeros([BLOCK], tl.float32)
     for s in range(SPLIT):
         acc += tl.load(P + s * N + offs, mask=m, other=0.0)
+    if ADD:
+        r = tl.load(R + offs, mask=m, other=0.0)
+        acc = acc.to(Y.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
     tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=m)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig = GemvConfig()) -> torch.Tensor:
-    """x: [1, K] contiguous, weight: [N, K] row-major -> [1, N] in x's dtype."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig = GemvConfig(), *,
+         norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
+         residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [1, K] contiguous (silu: [1, 2K], gate first), weight: [N, K] row-major -> [1, N] in x's dtype.
+    norm_weight: multiply by rms_norm(x) instead of x; residual [1, N]: return residual + product."""
     n, k = weight.shape
+    if norm_weight is not None and silu:
+        raise ValueError("gemv: a prologue is either the RMSNorm or the SwiGLU, not both.")
+    if x.shape[-1] != (2 * k if silu else k) or not x.is_contiguous():
+        raise ValueError(f"gemv: x of shape {tuple(x.shape)} does not fit a [{n}, {k}] weight (silu={silu}).")
     c = config
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     # each split covers whole BLOCK_K chunks, so only the last chunk of K can be ragged
     per_split = triton.cdiv(triton.cdiv(k, c.split_k), c.block_k) * c.block_k
     splits = triton.cdiv(k, per_split)
     out = y if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, c.block_n), splits)](x, weight, out, k, per_split, weight.stride(0), n,
-                                                       BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=splits,
-                                                       num_warps=c.num_warps)
+    pdl = pdl_enabled(x)
+    res = residual if residual is not None else y
+    if residual is not None and (residual.numel() != n or not residual.is_contiguous()):
+        raise ValueError(f"gemv: residual of shape {tuple(residual.shape)} does not fit {n} output rows.")
+    launch = dict(launch_pdl=True) if pdl else {}
+    _gemv_kernel[(triton.cdiv(n, c.block_n), splits)](
+        x, weight, out, res, norm_weight if norm_weight is not None else x, k, per_split, weight.stride(0), n, eps,
+        BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=splits, NORM=norm_weight is not None,
+        NORM_BLOCK=min(8192, triton.next_power_of_2(k)), SILU=silu, ADD=residual is not None, PDL=pdl,
+        num_warps=c.num_warps, **launch)
     if splits > 1:
-        _sum_splits_kernel[(triton.cdiv(n, 1024),)](out, y, n, SPLIT=splits, BLOCK=1024)
+        _sum_splits_kernel[(triton.cdiv(n, 1024),)](out, y, res, n, SPLIT=splits, BLOCK=1024,
+                                                    ADD=residual is not None, PDL=pdl, **launch)
     return y

@@ -4,6 +4,14 @@ The choice is measured on this GPU at engine start, the way the decode step runs
 that shape in the model (so the stream does not sit in L2), called back to back inside one CUDA
 graph (no host launch gaps). A GEMV config is kept only when it beats cuBLAS by 3% and matches its
 output; otherwise the layer stays on cuBLAS. Takes a few seconds (Triton compiles each candidate).
+
+The fused batch-1 decode of models/llama.py folds small ops into four GEMV roles; each role is measured
+the same way against what it replaces, cuBLAS (or the plain GEMV, whichever won above) plus the kernel
+it absorbs:
+  qkv, gate_up  RMSNorm prologue        vs add_rms_norm + linear
+  o             residual-add epilogue   vs linear (its add lives in the next add_rms_norm, now a plain norm)
+  down          SwiGLU prologue + add   vs silu_mul + linear
+and kept only where it wins by the same 3%.
 """
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .fused import add_rms_norm, silu_mul
 from .gemv import GemvConfig, gemv
 
 log = logging.getLogger(__name__)
@@ -32,7 +41,8 @@ class GemvChoice:
     layers: int  # weights of this shape in the model
     cublas_us: float
     gemv_us: float | None
-    config: GemvConfig | None  # None: cuBLAS
+    config: GemvConfig | None  # None: cuBLAS (fused roles: None keeps the unfused ops)
+    role: str = "plain"  # plain, or the fused role: qkv, o, gate_up, down
 
 
 def _graph_time(fn, replays: int = 5) -> float:
@@ -75,6 +85,84 @@ def tune_shape(weights: list[torch.Tensor], candidates=CANDIDATES) -> GemvChoice
                       best[1] if keep else None)
 
 
+ROLES = {"qkv": "norm", "gate_up": "norm", "o": "add", "down": "silu_add"}
+
+
+def _linear_fn(config: GemvConfig | None):
+    return (lambda x, w: F.linear(x, w)) if config is None else (lambda x, w: gemv(x, w, config))
+
+
+def tune_role(role: str, weights: list[torch.Tensor], plain: GemvConfig | None,
+              candidates=CANDIDATES) -> GemvChoice:
+    """The fused GEMV of one role against its unfused ops (plain: the linear's own choice)."""
+    n, k = weights[0].shape
+    dev, dt = weights[0].device, weights[0].dtype
+    kind = ROLES[role]
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(1, 2 * k if kind == "silu_add" else k, device=dev, dtype=dt, generator=g)
+    r = torch.randn(1, n, device=dev, dtype=dt, generator=g)
+    r_in = torch.randn(1, k, device=dev, dtype=dt, generator=g)  # the residual a norm role's add reads
+    nw = (1 + 0.1 * torch.randn(k, device=dev, generator=g)).to(dt)
+    lin = _linear_fn(plain)
+    if kind == "norm":
+        ref = lambda w: lin(add_rms_norm(x, r_in, nw, 1e-5)[0], w)  # noqa: E731
+        fused = lambda w, c: gemv(x, w, c, norm_weight=nw, eps=1e-5)  # noqa: E731
+        want = F.linear(add_rms_norm(torch.zeros_like(x), x, nw, 1e-5)[0], weights[0]).float()
+    elif kind == "add":
+        ref = lambda w: lin(x, w)  # noqa: E731
+        fused = lambda w, c: gemv(x, w, c, residual=r)  # noqa: E731
+        want = (r.float() + F.linear(x, weights[0]).float())
+    else:
+        ref = lambda w: lin(silu_mul(x), w)  # noqa: E731
+        fused = lambda w, c: gemv(x, w, c, silu=True, residual=r)  # noqa: E731
+        want = (r.float() + F.linear(silu_mul(x), weights[0]).float())
+    t_ref = _graph_time(lambda: [ref(w) for w in weights])
+    best: tuple[float, GemvConfig] | None = None
+    for c in candidates:
+        if c.split_k > 1 and n >= 16384:  # plenty of row programs already
+            continue
+        try:
+            err = float((fused(weights[0], c).float() - want).norm() / want.norm().clamp_min(1e-6))
+            if err > 1e-2:
+                log.debug("fused gemv %s %s: error %.2e", role, c, err)
+                continue
+            t = _graph_time(lambda: [fused(w, c) for w in weights])
+        except Exception as e:  # a config this GPU cannot compile or fit
+            log.debug("fused gemv config %s failed for %s: %s", c, role, e)
+            continue
+        if best is None or t < best[0]:
+            best = (t, c)
+    per = 1e6 / len(weights)
+    keep = best is not None and best[0] < MIN_GAIN * t_ref
+    return GemvChoice((n, k), len(weights), round(t_ref * per, 2), round(best[0] * per, 2) if best else None,
+                      best[1] if keep else None, role)
+
+
+def _tune_fused(model: torch.nn.Module) -> list[GemvChoice]:
+    """Measure and set the fused decode roles of a Llama-family model (nothing for other models)."""
+    from ..models.llama import MLP, Attention
+
+    slots = {"qkv": [], "o": [], "gate_up": [], "down": []}  # (module, attribute, linear)
+    for m in model.modules():
+        if isinstance(m, Attention) and m.qkv_proj.bias is None and m.qkv_proj.weight.is_cuda:
+            slots["qkv"].append((m, "qkv_fused", m.qkv_proj))
+            slots["o"].append((m, "o_fused", m.o_proj))
+        elif isinstance(m, MLP) and m.gate_up_proj.weight.is_cuda:
+            slots["gate_up"].append((m, "gate_up_fused", m.gate_up_proj))
+            slots["down"].append((m, "down_fused", m.down_proj))
+    measured = []
+    for role, items in slots.items():
+        by_shape: dict[tuple[tuple[int, int], GemvConfig | None], list] = defaultdict(list)
+        for item in items:
+            by_shape[(tuple(item[2].weight.shape), item[2].gemv)].append(item)
+        for (_, plain), group in by_shape.items():
+            measured.append((group, tune_role(role, [lin.weight for _, _, lin in group], plain)))
+    for group, choice in measured:  # all measured first, as in tune_model
+        for mod, attr, _ in group:
+            setattr(mod, attr, choice.config)
+    return [c for _, c in measured]
+
+
 @torch.inference_mode()
 def tune_model(model: torch.nn.Module) -> list[GemvChoice]:
     """Measure every bias-free Linear shape of `model` (and its tied lm_head) and set each layer's
@@ -95,7 +183,11 @@ def tune_model(model: torch.nn.Module) -> list[GemvChoice]:
     if head_choice is not None:
         model.lm_head_gemv = head_choice.config
     choices = [c for _, c in measured] + ([head_choice] if head_choice is not None else [])
+    try:  # the fused roles after the plain choices, which they compare against
+        choices += _tune_fused(model)
+    except Exception as e:  # never fatal: the unfused decode stays
+        log.warning("fused batch-1 GEMV tuning failed (%s); decode stays unfused", e)
     for c in choices:
-        log.info("batch-1 linear %s x%d: cuBLAS %.1f us, GEMV %s us -> %s", c.shape, c.layers, c.cublas_us,
-                 c.gemv_us, c.config or "cuBLAS")
+        log.info("batch-1 linear %s %s x%d: unfused %.1f us, GEMV %s us -> %s", c.role, c.shape, c.layers,
+                 c.cublas_us, c.gemv_us, c.config or "unfused")
     return choices

@@ -2,6 +2,13 @@
 
 q/k/v and gate/up projections are fused into one matmul each (fewer launches per layer);
 load_weights() maps HF tensor names onto the fused parameters.
+
+Batch-1 decode on the GPU (one token, tuned GEMVs) runs each layer as about five launches: the RMSNorms
+in the prologue of the qkv and gate_up GEMVs, SwiGLU in the prologue of the down GEMV, the residual
+adds in the epilogues of the o and down GEMVs, RoPE + K/V store + attention in one kernel. The residual
+stream is then materialised after every sub-layer instead of flowing into the next norm's add; the
+values are the same (each op rounds where its unfused kernel does). A role whose fused GEMV the tuner
+did not keep (tercel.kernels.gemv_tune) runs its unfused ops inside the same structure.
 """
 from __future__ import annotations
 
@@ -14,7 +21,7 @@ from torch import nn
 from ..attention.torch_ref import TorchAttentionBackend
 from ..config import ConfigError, ModelConfig
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
-from ..kernels import use_triton
+from ..kernels import fused_decode_enabled, use_triton
 from ..kv import PagedKVCache
 from .linear import Linear, linear
 from .rope import RotaryEmbedding, apply_rope
@@ -57,12 +64,12 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # batch-1 decode GEMVs with their neighbours folded in (set by tercel.kernels.gemv_tune; None: unfused)
+        self.qkv_fused = None  # GemvConfig: input RMSNorm in the prologue
+        self.o_fused = None  # GemvConfig: residual add in the epilogue
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                backend: TorchAttentionBackend, batch: ForwardBatch, meta: object, kv: PagedKVCache) -> torch.Tensor:
-        # linear() on the modules' tensors, not the modules: the same matmul without the module-call
-        # overhead, which is a visible share of a CPU decode step (hundreds of calls per token)
-        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.gemv, self.qkv_proj.bias)
+    def _attend(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], backend: TorchAttentionBackend,
+                batch: ForwardBatch, meta: object, kv: PagedKVCache) -> torch.Tensor:
         t, heads = qkv.shape[0], self.num_heads + self.num_kv_heads
         # q and k sit side by side in qkv: rotate them with one RoPE application
         qk = qkv[:, :self.q_size + self.kv_size].view(t, heads, self.head_dim)
@@ -70,11 +77,32 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
         if backend.fuses_rope:  # RoPE and the K/V store in one kernel
-            out = backend.forward_rope(self.layer, qk, v, cos_sin, batch, meta, kv)
+            return backend.forward_rope(self.layer, qk, v, cos_sin, batch, meta, kv)
+        qk = apply_rope(qk, *cos_sin)
+        return backend.forward(self.layer, qk[:, :self.num_heads], qk[:, self.num_heads:], v, batch, meta, kv)
+
+    def forward_decode1(self, residual: torch.Tensor, norm: RMSNorm, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                        backend: TorchAttentionBackend, batch: ForwardBatch, meta: object,
+                        kv: PagedKVCache) -> torch.Tensor:
+        """Batch-1 decode: residual + attn(norm(residual)), the norm and the add folded into the GEMVs."""
+        from ..kernels.gemv import gemv
+
+        if self.qkv_fused is not None:
+            qkv = gemv(residual, self.qkv_proj.weight, self.qkv_fused,
+                       norm_weight=norm.weight, eps=norm.eps)
         else:
-            qk = apply_rope(qk, *cos_sin)
-            out = backend.forward(self.layer, qk[:, :self.num_heads], qk[:, self.num_heads:], v, batch, meta, kv)
-        return linear(out, self.o_proj.weight, self.o_proj.gemv)
+            qkv = linear(norm.forward(residual), self.qkv_proj.weight, self.qkv_proj.gemv, self.qkv_proj.bias)
+        out = self._attend(qkv, cos_sin, backend, batch, meta, kv)
+        if self.o_fused is not None:
+            return gemv(out, self.o_proj.weight, self.o_fused, residual=residual)
+        return residual + linear(out, self.o_proj.weight, self.o_proj.gemv)
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                backend: TorchAttentionBackend, batch: ForwardBatch, meta: object, kv: PagedKVCache) -> torch.Tensor:
+        # linear() on the modules' tensors, not the modules: the same matmul without the module-call
+        # overhead, which is a visible share of a CPU decode step (hundreds of calls per token)
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.gemv, self.qkv_proj.bias)
+        return linear(self._attend(qkv, cos_sin, backend, batch, meta, kv), self.o_proj.weight, self.o_proj.gemv)
 
 
 class MLP(nn.Module):
@@ -82,6 +110,22 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_fused = None  # GemvConfig: post-attention RMSNorm in the prologue (tercel.kernels.gemv_tune)
+        self.down_fused = None  # GemvConfig: SwiGLU in the prologue, residual add in the epilogue
+
+    def forward_decode1(self, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """Batch-1 decode: residual + mlp(norm(residual)), norm, SwiGLU and add folded into the GEMVs."""
+        from ..kernels.gemv import gemv
+
+        if self.gate_up_fused is not None:
+            gate_up = gemv(residual, self.gate_up_proj.weight, self.gate_up_fused, norm_weight=norm.weight,
+                           eps=norm.eps)
+        else:
+            gate_up = linear(norm.forward(residual), self.gate_up_proj.weight, self.gate_up_proj.gemv)
+        if self.down_fused is not None:
+            return gemv(gate_up, self.down_proj.weight, self.down_fused, silu=True, residual=residual)
+        from ..kernels.fused import silu_mul
+        return residual + linear(silu_mul(gate_up), self.down_proj.weight, self.down_proj.gemv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_proj.weight, self.gate_up_proj.gemv)  # modules bypassed: see Attention
@@ -137,6 +181,14 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(normed_hidden).float()
         return linear(normed_hidden, self.lm_head_weight, self.lm_head_gemv).float()
 
+    def _fused_decode1(self, h: torch.Tensor) -> bool:
+        """One token on the GPU, and the tuner kept a fused GEMV for some role of every layer."""
+        if h.dim() != 2 or h.shape[0] != 1 or not h.is_contiguous() or not use_triton(h) or not fused_decode_enabled():
+            return False
+        return all(any(c is not None for c in (layer.self_attn.qkv_fused, layer.self_attn.o_fused,
+                                                layer.mlp.gate_up_fused, layer.mlp.down_fused))
+                   for layer in self.layers)
+
     def forward(self, batch: ForwardBatch, kv: PagedKVCache, input_embeds: torch.Tensor | None = None,
                 attn_meta: object | None = None) -> ModelOutput:
         """attn_meta: metadata prepared by the caller (graph capture: attn_backend.capture_metadata)."""
@@ -146,23 +198,32 @@ class LlamaForCausalLM(nn.Module):
         aux_ids = self.aux_layer_ids if mode != CaptureHiddenMode.NULL else ()
         cos_sin = self.rope.lookup(batch.positions)
         aux: list[torch.Tensor] = []
-        # Residual stream h_i = h_(i-1) + attn + mlp; each add is fused into the norm that follows it,
-        # so h_i materialises as `residual` at the start of layer i + 1 (and at the final norm).
-        residual, delta = h, None
-        for i, layer in enumerate(self.layers):
-            if delta is None:
-                x = layer.input_layernorm.forward(residual)
-            else:
-                x, residual = layer.input_layernorm.add_forward(delta, residual)
-                if i - 1 in aux_ids:
-                    aux.append(residual)
-            # .forward, not __call__: these modules carry no hooks, and the call overhead adds up per token
-            attn = layer.self_attn.forward(x, cos_sin, self.attn_backend, batch, meta, kv)
-            x, residual = layer.post_attention_layernorm.add_forward(attn, residual)
-            delta = layer.mlp.forward(x)
-        normed, h = self.norm.add_forward(delta, residual)
-        if len(self.layers) - 1 in aux_ids:
-            aux.append(h)
+        if self._fused_decode1(h):  # see the module docstring: ~5 launches per layer
+            for i, layer in enumerate(self.layers):
+                h = layer.self_attn.forward_decode1(h, layer.input_layernorm, cos_sin, self.attn_backend, batch,
+                                                    meta, kv)
+                h = layer.mlp.forward_decode1(h, layer.post_attention_layernorm)
+                if i in aux_ids:
+                    aux.append(h)
+            normed = self.norm.forward(h)
+        else:
+            # Residual stream h_i = h_(i-1) + attn + mlp; each add is fused into the norm that follows it,
+            # so h_i materialises as `residual` at the start of layer i + 1 (and at the final norm).
+            residual, delta = h, None
+            for i, layer in enumerate(self.layers):
+                if delta is None:
+                    x = layer.input_layernorm.forward(residual)
+                else:
+                    x, residual = layer.input_layernorm.add_forward(delta, residual)
+                    if i - 1 in aux_ids:
+                        aux.append(residual)
+                # .forward, not __call__: these modules carry no hooks, and the call overhead adds up per token
+                attn = layer.self_attn.forward(x, cos_sin, self.attn_backend, batch, meta, kv)
+                x, residual = layer.post_attention_layernorm.add_forward(attn, residual)
+                delta = layer.mlp.forward(x)
+            normed, h = self.norm.add_forward(delta, residual)
+            if len(self.layers) - 1 in aux_ids:
+                aux.append(h)
         normed_last = normed[batch.logits_indices]
         logits = self.compute_logits(normed_last)
         hidden = None

@@ -1,0 +1,102 @@
+"""The fused batch-1 decode (models/llama.py: norms, SwiGLU and residual adds folded into the GEMVs;
+RoPE + K/V store + attention in one launch) computes what the unfused kernels compute: same logits
+(fp32 within 1e-4), same KV cache, eager and under CUDA graphs (full and breakable), and batches larger
+than one take the unfused layer ops unchanged. Skipped without CUDA (CPU development: run this file's
+`compare_fused_unfused("cpu")` under TRITON_INTERPRET=1)."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from graph_utils import FakeRequests, kv_pool, tiny_model  # noqa: E402
+
+
+def _fuse_all(model) -> None:
+    """Every role of every layer on its fused GEMV (the tuner's choice, forced), plain linears too."""
+    from tercel.kernels.gemv import GemvConfig  # triton: GPU machines (and the interpreter) only
+
+    config = GemvConfig(block_n=8, block_k=32)
+    split = GemvConfig(block_n=8, block_k=32, split_k=2)  # one role with split-K: the epilogue in the sum kernel
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        a.qkv_fused, a.o_fused, m.gate_up_fused, m.down_fused = config, split, config, split
+        for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
+            lin.gemv = config
+
+
+def _steps(model, kv, reqs, rows, n, fused: bool, run=None) -> list[torch.Tensor]:
+    os.environ["TERCEL_FUSED_DECODE"] = "1" if fused else "0"
+    try:
+        out = []
+        for _ in range(n):
+            batch = reqs.batch(rows)
+            logits = (run(batch) if run is not None else model(batch, kv)).logits.clone()
+            reqs.advance(rows, logits.argmax(-1).tolist())
+            out.append(logits)
+        return out
+    finally:
+        os.environ.pop("TERCEL_FUSED_DECODE", None)
+
+
+@torch.inference_mode()
+def compare_fused_unfused(device: str, dtype: torch.dtype = torch.float32, steps: int = 4) -> None:
+    from tercel.attention.triton_backend import TritonAttentionBackend
+
+    model, cfg = tiny_model(device, dtype)
+    if not isinstance(model.attn_backend, TritonAttentionBackend):  # CPU under the interpreter
+        model.attn_backend = TritonAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, None, num_sms=8)
+    _fuse_all(model)
+    kv_f, kv_u = kv_pool(cfg, device, dtype, 200, 16), kv_pool(cfg, device, dtype, 200, 16)
+    reqs_f, reqs_u = FakeRequests(4, kv_f, cfg.vocab_size), FakeRequests(4, kv_u, cfg.vocab_size)
+    assert model._fused_decode1(torch.zeros(1, cfg.hidden_size, device=device, dtype=dtype))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for rows in ([1], [0, 2, 3]):  # batch 1 (fused layers) and batch 3 (unfused layers, fused attention)
+        got = _steps(model, kv_f, reqs_f, rows, steps, fused=True)
+        want = _steps(model, kv_u, reqs_u, rows, steps, fused=False)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=tol, rtol=tol)
+    torch.testing.assert_close(kv_f.k, kv_u.k, atol=tol, rtol=tol)
+    torch.testing.assert_close(kv_f.v, kv_u.v, atol=tol, rtol=tol)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_equals_unfused(dtype):
+    compare_fused_unfused("cuda", dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["full", "breakable"])
+@torch.inference_mode()
+def test_fused_decode_graph_replay_equals_eager_fp32(backend):
+    from tercel.graphs import CudaGraphRunner, GraphConfig
+    from tercel.graphs.steps import ModelStep
+
+    model, cfg = tiny_model("cuda", torch.float32)
+    _fuse_all(model)
+    kv, kv_ref = kv_pool(cfg, "cuda", torch.float32, 200, 16), kv_pool(cfg, "cuda", torch.float32, 200, 16)
+    runner = CudaGraphRunner(ModelStep(model, kv, 40), GraphConfig(max_bs=4, backend=backend), "cuda")
+    runner.capture_all()
+    reqs, reqs_ref = FakeRequests(4, kv, cfg.vocab_size), FakeRequests(4, kv_ref, cfg.vocab_size)
+    for rows in ([2], [0, 1, 3], [1]):  # bucket 1 (fused), 3 (unfused layers), 1 again
+        got = _steps(model, kv, reqs, rows, 3, fused=True, run=runner.run)
+        want = _steps(model, kv_ref, reqs_ref, rows, 3, fused=False)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    assert runner.stats.eager == 0
+    torch.testing.assert_close(kv.k, kv_ref.k, atol=1e-4, rtol=1e-4)
+
+
+if __name__ == "__main__":
+    import kernel_checks  # noqa: F401  (under TRITON_INTERPRET=1: patches the interpreter for NumPy 2)
+
+    compare_fused_unfused(sys.argv[1] if len(sys.argv) > 1 else "cpu")
+    print("fused decode equals unfused")
