@@ -1,6 +1,7 @@
 """Batch-1 decode variants side by side in one process (one model load, one GEMV tuning): the fused
-decode (norms / SwiGLU / residual adds in the GEMVs, one-launch attention) with and without
-programmatic dependent launch, against the unfused kernels; multi-step windows of several sizes.
+decode (norms / SwiGLU / residual adds in the GEMVs, RoPE + K/V store in the attention kernel, the
+o_proj weight prefetched into L2 during attention) against its parts switched off one at a time and
+against the unfused kernels; multi-step windows of several sizes.
 
 Per variant: the bucket-1 graph's GPU time per step, a per-kernel profile of that graph (torch.profiler,
 CUDA time per step by kernel name), and bs=1 decode tok/s for each num_scheduler_steps (greedy, 256
@@ -25,10 +26,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import environment  # noqa: E402
 from gpu_decode import generate, gpu_copy_bandwidth, graph_step_ms, llama8b_loaded, weight_bytes  # noqa: E402
 
-VARIANTS = {  # name -> environment switches (tercel/kernels/__init__.py)
-    "fused_pdl": {"TERCEL_FUSED_DECODE": "1", "TERCEL_PDL": "1"},
-    "fused": {"TERCEL_FUSED_DECODE": "1", "TERCEL_PDL": "0"},
-    "unfused": {"TERCEL_FUSED_DECODE": "0", "TERCEL_PDL": "0"},
+def _switches(fused: str, attn: str, prefetch: str, pdl: str) -> dict[str, str]:
+    return {"TERCEL_FUSED_DECODE": fused, "TERCEL_DECODE_ATTN": attn, "TERCEL_L2_PREFETCH": prefetch, "TERCEL_PDL": pdl}
+
+
+VARIANTS = {  # name -> environment switches (tercel/kernels/__init__.py); the first is the default
+    "fused": _switches("1", "rope", "1", "0"),
+    "fused_attn_one": _switches("1", "one", "1", "0"),
+    "fused_attn_split": _switches("1", "split", "1", "0"),
+    "fused_no_prefetch": _switches("1", "rope", "0", "0"),
+    "fused_pdl": _switches("1", "rope", "1", "1"),
+    "unfused": _switches("0", "split", "0", "0"),
 }
 
 

@@ -129,7 +129,7 @@ def check_decode(device: str, dtype: torch.dtype) -> None:
     scale = d ** -0.5
     for splits in (1, 3, 8):
         for window in (None, 40):
-            out = decode_attention(q, kc, vc, bt, sl, page, scale, splits, window=window)
+            out = decode_attention(q, kc, vc, bt, sl, page, scale, splits, window=window, prefetch=kc)
             for b, s in enumerate(seq_lens):
                 pos = torch.arange(s, device=device)
                 mask = torch.ones(1, s, dtype=torch.bool, device=device)
@@ -254,8 +254,11 @@ def check_decode_rope(device: str, dtype: torch.dtype) -> None:
             kc_ref, vc_ref, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
             q = rope_store(qk, v, cos, sin, loc, kc_ref, vc_ref, nq)
             want = decode_attention(q, kc_ref, vc_ref, bt, sl, page, scale, splits, window=window)
-            out = decode_attention_rope(qk, v, cos, sin, loc, kc2, vc2, bt, sl, page, scale, splits, counters,
-                                        window=window)
+            # the in-kernel merge, or a merge launch after; with an L2 prefetch of some tensor (a hint only)
+            merge = splits != 3
+            out = decode_attention_rope(qk, v, cos, sin, loc, kc2, vc2, bt, sl, page, scale, splits,
+                                        counters if merge else None, window=window, merge_in_kernel=merge,
+                                        prefetch=qkv)
             assert out.shape == want.shape and out.dtype == dtype
             assert _rel(out, want) < _tol(dtype) / 4, (splits, window, _rel(out, want))
             assert _rel(kc2[loc], kc_ref[loc]) < _tol(dtype) / 4 and torch.equal(vc2, vc_ref), (splits, window)

@@ -92,7 +92,8 @@ def test_fused_decode_graph_replay_equals_eager_fp32(backend):
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
     assert runner.stats.eager == 0
-    torch.testing.assert_close(kv.k, kv_ref.k, atol=1e-4, rtol=1e-4)
+    dummy = kv.block_size  # block 0 is the dummy block: capture and padded rows write there
+    torch.testing.assert_close(kv.k[:, dummy:], kv_ref.k[:, dummy:], atol=1e-4, rtol=1e-4)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@
   prepare_replay(batch, num_live)       before each replay, outside the graph: refresh what only the
                                         host knows (planners, host seq lens); most backends need none
   forward(layer, q, k, v, batch, meta, kv)  per layer: store k/v at out_cache_loc, attend
-  fuses_rope / forward_rope(...)        backends that rotate q/k and store k/v in one kernel
+  fuses_rope / forward_rope(...)        backends that rotate q/k and store k/v in one kernel (prefetch: a
+                                        weight the caller reads next, a hint to pull into cache meanwhile)
 """
 from __future__ import annotations
 
@@ -41,5 +42,5 @@ class AttentionBackend:
 
     def forward_rope(self, layer: int, qk: torch.Tensor, v: torch.Tensor,
                      cos_sin: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, meta: Any,
-                     kv: PagedKVCache) -> torch.Tensor:
+                     kv: PagedKVCache, prefetch: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} does not fuse RoPE.")

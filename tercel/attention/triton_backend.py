@@ -2,8 +2,9 @@
 
 Decode batches use the split-KV decode kernel; everything else (prefill chunks, verify blocks,
 trees with custom masks) the extend kernel. RoPE and the K/V store are fused into one kernel
-(forward_rope); for decode batches that kernel is the attention itself (decode_attention_rope: one
-launch per layer instead of three), unless TERCEL_FUSED_DECODE=0. Metadata is a handful of device tensors, so capture_metadata is cheap and
+(forward_rope); for decode batches RoPE and the store run inside the split-KV kernel itself
+(decode_attention_rope: two launches per layer instead of three; TERCEL_DECODE_ATTN picks, see
+tercel/kernels/__init__.py), and the kernel pulls the o_proj weight into L2 while it runs. Metadata is a handful of device tensors, so capture_metadata is cheap and
 graph-safe, and replays need no prepare_replay.
 """
 from __future__ import annotations
@@ -14,11 +15,14 @@ import torch
 
 from ..forward_batch import ForwardBatch
 from ..graphs.breakable import eager_break
-from ..kernels import fused_decode_enabled
+from ..kernels import decode_attention_mode, fused_decode_enabled, l2_prefetch_enabled
 from ..kernels.attention import decode_attention, decode_attention_rope, decode_splits, extend_attention
 from ..kernels.fused import rope_store
 from ..kv import PagedKVCache
 from .base import AttentionBackend
+
+
+PREFETCH_MAX_BATCH = 8
 
 
 @dataclass(slots=True)
@@ -100,13 +104,18 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward_rope(self, layer: int, qk: torch.Tensor, v: torch.Tensor,
                      cos_sin: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
-                     meta: TritonAttentionMetadata, kv: PagedKVCache) -> torch.Tensor:
-        if meta.decode and fused_decode_enabled():
-            counters = self.split_counters(qk.shape[0], qk.device) if meta.num_splits > 1 else None
-            if meta.num_splits == 1 or counters is not None:
-                return attend_rope(self, layer, qk, v, cos_sin, batch.out_cache_loc, meta, kv)
+                     meta: TritonAttentionMetadata, kv: PagedKVCache,
+                     prefetch: torch.Tensor | None = None) -> torch.Tensor:
+        """prefetch: the weight that reads this output (o_proj), pulled into L2 while decode attention runs."""
+        # weight-bound batches only: a large batch's attention has its own bytes to move
+        prefetch = prefetch if meta.decode and qk.shape[0] <= PREFETCH_MAX_BATCH and l2_prefetch_enabled() else None
+        mode = decode_attention_mode() if meta.decode and fused_decode_enabled() else "split"
+        if mode == "one" and meta.num_splits > 1 and self.split_counters(qk.shape[0], qk.device) is None:
+            mode = "rope"
+        if mode != "split":
+            return attend_rope(self, layer, qk, v, cos_sin, batch.out_cache_loc, meta, kv, mode == "one", prefetch)
         q = rope_store(qk, v, cos_sin[0], cos_sin[1], batch.out_cache_loc, kv.k[layer], kv.v[layer], self.num_heads)
-        return attend(self, layer, q, meta, kv)
+        return attend(self, layer, q, meta, kv, prefetch)
 
     def split_counters(self, batch_size: int, device: torch.device) -> torch.Tensor | None:
         """The decode kernel's split counters, or None if this batch needs more than were allocated (never
@@ -120,13 +129,13 @@ class TritonAttentionBackend(AttentionBackend):
 
 @eager_break
 def attend(backend: TritonAttentionBackend, layer: int, q: torch.Tensor, meta: TritonAttentionMetadata,
-           kv: PagedKVCache) -> torch.Tensor:
+           kv: PagedKVCache, prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over the cache for q [T, H, D] -> [T, H * D]. An eager break: under breakable capture
     it runs between graph segments (the place for planners or host-synced shapes)."""
     k_cache, v_cache = kv.k[layer], kv.v[layer]
     if meta.decode:
         out = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.page_size,
-                               backend.scale, meta.num_splits, window=backend.sliding_window)
+                               backend.scale, meta.num_splits, window=backend.sliding_window, prefetch=prefetch)
     else:
         out = extend_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.q_starts, meta.q_lens,
                                meta.max_q_len, meta.page_size, backend.scale, window=backend.sliding_window,
@@ -137,11 +146,12 @@ def attend(backend: TritonAttentionBackend, layer: int, q: torch.Tensor, meta: T
 @eager_break
 def attend_rope(backend: TritonAttentionBackend, layer: int, qk: torch.Tensor, v: torch.Tensor,
                 cos_sin: tuple[torch.Tensor, torch.Tensor], out_cache_loc: torch.Tensor, meta: TritonAttentionMetadata,
-                kv: PagedKVCache) -> torch.Tensor:
-    """Decode attention with RoPE and the K/V store, one launch: qk [B, H + Hkv, D], v [B, Hkv, D] ->
+                kv: PagedKVCache, merge_in_kernel: bool, prefetch: torch.Tensor | None) -> torch.Tensor:
+    """Decode attention with RoPE and the K/V store in the split kernel: qk [B, H + Hkv, D], v [B, Hkv, D] ->
     [B, H * D]. An eager break like attend (the store happens inside it, so a breakable replay re-runs it)."""
-    counters = backend.split_counters(qk.shape[0], qk.device) if meta.num_splits > 1 else None
+    counters = backend.split_counters(qk.shape[0], qk.device) if merge_in_kernel and meta.num_splits > 1 else None
     out = decode_attention_rope(qk, v, cos_sin[0], cos_sin[1], out_cache_loc, kv.k[layer], kv.v[layer],
                                 meta.block_tables, meta.seq_lens, meta.page_size, backend.scale, meta.num_splits,
-                                counters, window=backend.sliding_window)
+                                counters, window=backend.sliding_window, merge_in_kernel=merge_in_kernel,
+                                prefetch=prefetch)
     return out.reshape(qk.shape[0], -1)

@@ -3,9 +3,15 @@
 
 `use_triton(t, *params)` is the one switch the model and attention code consult; TERCEL_DISABLE_TRITON=1
 turns every kernel off (debugging: compare against the PyTorch path on the same GPU).
-TERCEL_FUSED_DECODE=0 keeps batch-1 decode on the unfused kernels (norm, SwiGLU and residual adds as
-their own launches) and TERCEL_PDL=0 launches without programmatic dependent launch: both for
-side-by-side measurements.
+Switches for side-by-side measurements (benchmarks/decode_variants.py):
+  TERCEL_FUSED_DECODE=0   batch-1 decode on the unfused kernels (norms, SwiGLU, residual adds, RoPE + store
+                          as their own launches)
+  TERCEL_DECODE_ATTN      decode attention: rope (default: RoPE + K/V store in the split kernel, merge
+                          kernel after), one (the merge in the same launch, by the last split), split (the
+                          separate rope_store kernel before)
+  TERCEL_L2_PREFETCH=0    decode attention does not pull the o_proj weight into L2 while it runs
+  TERCEL_PDL=1            programmatic dependent launch for the decode GEMVs and attention (measured slower
+                          on the H200: off by default)
 """
 from __future__ import annotations
 
@@ -46,6 +52,20 @@ def fused_decode_enabled() -> bool:
     return os.environ.get("TERCEL_FUSED_DECODE", "1") != "0"
 
 
+DECODE_ATTN_MODES = ("rope", "one", "split")
+
+
+def decode_attention_mode() -> str:
+    mode = os.environ.get("TERCEL_DECODE_ATTN", "rope")
+    if mode not in DECODE_ATTN_MODES:
+        raise ValueError(f"TERCEL_DECODE_ATTN={mode!r}: use one of {', '.join(DECODE_ATTN_MODES)}.")
+    return mode
+
+
+def l2_prefetch_enabled() -> bool:
+    return os.environ.get("TERCEL_L2_PREFETCH", "1") != "0"
+
+
 @functools.lru_cache(maxsize=None)
 def _has_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9  # griddepcontrol: Hopper and later
@@ -55,6 +75,6 @@ def pdl_enabled(t: torch.Tensor) -> bool:
     """Launch the decode kernels with programmatic dependent launch: a kernel's blocks start while the
     previous kernel drains and stream their weights, then wait (griddepcontrol.wait) before touching its
     output. Not under the interpreter, nor before Hopper."""
-    if _INTERPRET or not t.is_cuda or os.environ.get("TERCEL_PDL", "1") == "0":
+    if _INTERPRET or not t.is_cuda or os.environ.get("TERCEL_PDL", "0") != "1":
         return False
     return _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())

@@ -27,6 +27,18 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _prefetch_l2(P, nbytes, pid, nprog, NT: tl.constexpr):
+    """Program pid of nprog asks for its share of P's first nbytes in L2 (bulk prefetch, one per thread):
+    a hint with no result, so a latency-bound kernel can pull the next layer's weights into L2."""
+    per = tl.cdiv(tl.cdiv(nbytes, nprog), 16 * NT) * 16  # bytes per thread, a multiple of 16
+    off = (pid * NT + tl.arange(0, NT)).to(tl.int64) * per
+    size = (tl.minimum(tl.maximum(nbytes - off, 0), per) // 16 * 16).to(tl.int32)
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
+                              "mov.u32 $0, 0; }", "=r,l,r", [P.to(tl.pointer_type(tl.int8)) + off, size],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
                  qk_scale, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                  IEEE: tl.constexpr):
@@ -60,15 +72,18 @@ def _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stri
 
 
 @triton.jit
-def _decode_split_kernel(Q, KC, VC, BT, SL, O, PO, PL,
+def _decode_split_kernel(Q, KC, VC, BT, SL, O, PO, PL, PF, pf_bytes,
                          stride_qb, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
                          stride_ob, stride_oh, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
                          qk_scale, window,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
+                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if PREFETCH:
+        pid = (tl.program_id(0) * tl.num_programs(1) + kvh) * NUM_SPLITS + split
+        _prefetch_l2(PF, pf_bytes, pid, tl.num_programs(0) * tl.num_programs(1) * NUM_SPLITS, 128)
     seq_len = tl.load(SL + b).to(tl.int32)
     per = tl.cdiv(seq_len, NUM_SPLITS)
     start = split * per
@@ -119,11 +134,19 @@ def decode_splits(batch_size: int, num_kv_heads: int, num_sms: int, max_splits: 
     return 1 << (want.bit_length() - 1)
 
 
+def _prefetch_args(prefetch: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+    """(tensor, bytes, on) for a kernel's L2 prefetch: only a contiguous, 16-byte aligned CUDA tensor."""
+    ok = (prefetch is not None and prefetch.is_cuda and like.is_cuda and prefetch.is_contiguous()
+          and prefetch.data_ptr() % 16 == 0)
+    return (prefetch, prefetch.numel() * prefetch.element_size(), True) if ok else (like, 0, False)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, page_size: int, scale: float, num_splits: int,
-                     window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     window: int | None = None, out: torch.Tensor | None = None,
+                     prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, D]; k_cache, v_cache: [slots, Hkv, D]; block_tables: [B, W]; seq_lens: [B] (>= 1).
-    Returns [B, H, D]."""
+    prefetch: a tensor to pull into L2 meanwhile (the o_proj weight that reads this output). Returns [B, H, D]."""
     bsz, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -137,8 +160,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         part_o, part_l = out, out  # unused
     block_n = 64 if dim <= 128 else 32
+    pf, pf_bytes, pf_on = _prefetch_args(prefetch, q)
     _decode_split_kernel[(bsz, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_l,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_l, pf, pf_bytes,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
         part_o.stride(0) if num_splits > 1 else 0, part_o.stride(1) if num_splits > 1 else 0,
@@ -146,7 +170,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_l.stride(1) if num_splits > 1 else 0,
         scale * LOG2E, window or 0,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, PAGE=page_size,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, PREFETCH=pf_on, num_warps=4,
+        num_stages=2)
     if num_splits > 1:
         _decode_merge_kernel[(bsz, heads)](
             part_o, part_l, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0),
@@ -252,17 +277,21 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @triton.jit
-def _decode_rope_kernel(QK, V, COS, SIN, LOC, KC, VC, BT, SL, O, PO, PL, CNT,
+def _decode_rope_kernel(QK, V, COS, SIN, LOC, KC, VC, BT, SL, O, PO, PL, CNT, PF, pf_bytes,
                         stride_qkt, stride_qkh, stride_vt, stride_vh, stride_ct, stride_st,
                         stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
                         stride_ob, stride_oh, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
                         qk_scale, window,
                         NQ: tl.constexpr, NKV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                        SPLITS_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                        SPLITS_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr,
+                        PREFETCH: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if PREFETCH:  # weights: no dependence on the previous kernel
+        pid = (tl.program_id(0) * NKV + kvh) * NUM_SPLITS + split
+        _prefetch_l2(PF, pf_bytes, pid, tl.num_programs(0) * NKV * NUM_SPLITS, 128)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -305,6 +334,7 @@ def _decode_rope_kernel(QK, V, COS, SIN, LOC, KC, VC, BT, SL, O, PO, PL, CNT,
         tl.store(PO + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + d[None, :], out,
                  mask=gm[:, None])
         tl.store(PL + b * stride_plb + heads * stride_plh + split, lse, mask=gm)
+    if NUM_SPLITS > 1 and MERGE:
         # the last split of this (request, KV head) to arrive merges them all (no second launch): every
         # thread's partials are stored before the release, and read (past L1) after the acquire
         tl.debug_barrier()
@@ -328,13 +358,14 @@ def _decode_rope_kernel(QK, V, COS, SIN, LOC, KC, VC, BT, SL, O, PO, PL, CNT,
 def decode_attention_rope(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           out_cache_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float,
-                          num_splits: int, counters: torch.Tensor | None, window: int | None = None) -> torch.Tensor:
+                          num_splits: int, counters: torch.Tensor | None, window: int | None = None,
+                          merge_in_kernel: bool = True, prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """Decode (one query per request) in ONE launch: RoPE on q and the new k, k and v stored at
     out_cache_loc, split-KV attention over the cache, and the merge of the splits, done by the last split
     of each (request, KV head) to finish. qk: [B, H + Hkv, D], v: [B, Hkv, D] (views into the qkv output);
     cos/sin: [B, D] or [B, 1, D]; counters: int32 zeros, at least B * Hkv of them (needed when
-    num_splits > 1; each launch leaves them zero). Same result as rope_store + decode_attention.
-    Returns [B, H, D]."""
+    num_splits > 1; each launch leaves them zero). merge_in_kernel=False: a second launch merges instead (no
+    counters). prefetch: as decode_attention. Same result as rope_store + decode_attention. Returns [B, H, D]."""
     bsz, heads_all, dim = qk.shape
     kv_heads = k_cache.shape[1]
     heads = heads_all - kv_heads
@@ -343,7 +374,8 @@ def decode_attention_rope(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, 
         raise ValueError("decode_attention_rope needs the head dimension contiguous.")
     if dim & (dim - 1):
         raise ValueError(f"decode_attention_rope needs a power-of-two head_dim, got {dim}.")
-    if num_splits > 1 and (counters is None or counters.numel() < bsz * kv_heads):
+    merge_in_kernel = merge_in_kernel and num_splits > 1
+    if merge_in_kernel and (counters is None or counters.numel() < bsz * kv_heads):
         raise ValueError(f"decode_attention_rope with {num_splits} splits needs {bsz * kv_heads} split counters.")
     out = torch.empty((bsz, heads, dim), dtype=qk.dtype, device=qk.device)
     if bsz == 0:
@@ -355,16 +387,24 @@ def decode_attention_rope(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, 
         po_strides = part_o.stride()[:3]
         pl_strides = part_l.stride()[:2]
     else:
-        part_o, part_l, counters = out, out, seq_lens  # unused
+        part_o, part_l = out, out  # unused
         po_strides, pl_strides = (0, 0, 0), (0, 0)
+    if not merge_in_kernel:
+        counters = seq_lens  # unused
     pdl = pdl_enabled(qk)
+    pf, pf_bytes, pf_on = _prefetch_args(prefetch, qk)
     _decode_rope_kernel[(bsz, kv_heads, num_splits)](
         qk, v, cos2, sin2, out_cache_loc, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_l, counters,
+        pf, pf_bytes,
         qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), cos2.stride(0), sin2.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), *po_strides, *pl_strides, scale * LOG2E, window or 0,
         NQ=heads, NKV=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         PAGE=page_size, BLOCK_N=64 if dim <= 128 else 32, NUM_SPLITS=num_splits,
         SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), IEEE=qk.dtype == torch.float32, PDL=pdl,
-        num_warps=4, num_stages=2, **(dict(launch_pdl=True) if pdl else {}))
+        MERGE=merge_in_kernel, PREFETCH=pf_on, num_warps=4, num_stages=2, **(dict(launch_pdl=True) if pdl else {}))
+    if num_splits > 1 and not merge_in_kernel:
+        _decode_merge_kernel[(bsz, heads)](
+            part_o, part_l, out, *po_strides, *pl_strides, out.stride(0), out.stride(1),
+            HEAD_DIM=dim, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
     return out

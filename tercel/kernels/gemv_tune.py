@@ -6,12 +6,12 @@ graph (no host launch gaps). A GEMV config is kept only when it beats cuBLAS by 
 output; otherwise the layer stays on cuBLAS. Takes a few seconds (Triton compiles each candidate).
 
 The fused batch-1 decode of models/llama.py folds small ops into four GEMV roles; each role is measured
-the same way against what it replaces, cuBLAS (or the plain GEMV, whichever won above) plus the kernel
-it absorbs:
-  qkv, gate_up  RMSNorm prologue        vs add_rms_norm + linear
-  o             residual-add epilogue   vs linear (its add lives in the next add_rms_norm, now a plain norm)
-  down          SwiGLU prologue + add   vs silu_mul + linear
-and kept only where it wins by the same 3%.
+the same way against what that decode runs without it, cuBLAS (or the plain GEMV, whichever won above)
+plus the kernels it absorbs:
+  qkv, gate_up  RMSNorm prologue        vs rms_norm + linear
+  o             residual-add epilogue   vs linear + add
+  down          SwiGLU prologue + add   vs silu_mul + linear + add
+and kept where it wins by 1% (both sides run the same weights, so a smaller margin than the plain choice's).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .fused import add_rms_norm, silu_mul
+from .fused import rms_norm, silu_mul
 from .gemv import GemvConfig, gemv
 
 log = logging.getLogger(__name__)
@@ -31,8 +31,10 @@ CANDIDATES = (
     GemvConfig(block_n=4, block_k=1024, num_warps=8), GemvConfig(block_n=8, block_k=512),
     GemvConfig(block_n=16, block_k=512), GemvConfig(block_n=8, block_k=512, split_k=2),
     GemvConfig(block_n=8, block_k=512, split_k=4), GemvConfig(block_n=4, block_k=1024, split_k=4, num_warps=8),
+    GemvConfig(block_n=8, block_k=1024, num_warps=8), GemvConfig(block_n=32, block_k=256, num_warps=8),
 )
 MIN_GAIN = 0.97  # keep a GEMV config only if it takes < 97% of cuBLAS's time
+MIN_GAIN_FUSED = 0.99  # a fused role: < 99% of the unfused ops' time
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,19 +103,18 @@ def tune_role(role: str, weights: list[torch.Tensor], plain: GemvConfig | None,
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(1, 2 * k if kind == "silu_add" else k, device=dev, dtype=dt, generator=g)
     r = torch.randn(1, n, device=dev, dtype=dt, generator=g)
-    r_in = torch.randn(1, k, device=dev, dtype=dt, generator=g)  # the residual a norm role's add reads
     nw = (1 + 0.1 * torch.randn(k, device=dev, generator=g)).to(dt)
     lin = _linear_fn(plain)
     if kind == "norm":
-        ref = lambda w: lin(add_rms_norm(x, r_in, nw, 1e-5)[0], w)  # noqa: E731
+        ref = lambda w: lin(rms_norm(x, nw, 1e-5), w)  # noqa: E731
         fused = lambda w, c: gemv(x, w, c, norm_weight=nw, eps=1e-5)  # noqa: E731
-        want = F.linear(add_rms_norm(torch.zeros_like(x), x, nw, 1e-5)[0], weights[0]).float()
+        want = F.linear(rms_norm(x, nw, 1e-5), weights[0]).float()
     elif kind == "add":
-        ref = lambda w: lin(x, w)  # noqa: E731
+        ref = lambda w: r + lin(x, w)  # noqa: E731
         fused = lambda w, c: gemv(x, w, c, residual=r)  # noqa: E731
         want = (r.float() + F.linear(x, weights[0]).float())
     else:
-        ref = lambda w: lin(silu_mul(x), w)  # noqa: E731
+        ref = lambda w: r + lin(silu_mul(x), w)  # noqa: E731
         fused = lambda w, c: gemv(x, w, c, silu=True, residual=r)  # noqa: E731
         want = (r.float() + F.linear(silu_mul(x), weights[0]).float())
     t_ref = _graph_time(lambda: [ref(w) for w in weights])
@@ -133,7 +134,7 @@ def tune_role(role: str, weights: list[torch.Tensor], plain: GemvConfig | None,
         if best is None or t < best[0]:
             best = (t, c)
     per = 1e6 / len(weights)
-    keep = best is not None and best[0] < MIN_GAIN * t_ref
+    keep = best is not None and best[0] < MIN_GAIN_FUSED * t_ref
     return GemvChoice((n, k), len(weights), round(t_ref * per, 2), round(best[0] * per, 2) if best else None,
                       best[1] if keep else None, role)
 

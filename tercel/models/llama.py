@@ -76,8 +76,8 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
-        if backend.fuses_rope:  # RoPE and the K/V store in one kernel
-            return backend.forward_rope(self.layer, qk, v, cos_sin, batch, meta, kv)
+        if backend.fuses_rope:  # RoPE and the K/V store in one kernel; o_proj's weight streams into L2 meanwhile
+            return backend.forward_rope(self.layer, qk, v, cos_sin, batch, meta, kv, prefetch=self.o_proj.weight)
         qk = apply_rope(qk, *cos_sin)
         return backend.forward(self.layer, qk[:, :self.num_heads], qk[:, self.num_heads:], v, batch, meta, kv)
 
