@@ -94,6 +94,7 @@ def main() -> None:
     env["commit"] = os.environ.get("TERCEL_COMMIT", env["commit"])
     env["command"] = "PYTHONPATH=. python " + " ".join(sys.argv)
     env["triton"] = __import__("triton").__version__
+    env["switches"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("TERCEL_") and "DIR" not in k}
     bw = gpu_copy_bandwidth()
     result = {"benchmark": "decode_variants", "env": env, "copy_bandwidth_TBps": round(bw / 1e12, 3),
               "variants": VARIANTS, "models": {}}

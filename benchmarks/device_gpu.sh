@@ -18,14 +18,17 @@ cat /tmp/smol/smolpart* > $M && echo "a1231443440b107ff29f02bdb38c9d0a  $M" | md
 python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .carry/whl/*.whl || exit 4
 export PYTHONPATH=/tmp/site:. TERCEL_SMOL_GGUF=$M TERCEL_RESULTS_DIR=$OUT
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-timeout $(left ${PROBE_S:-60}) python3 benchmarks/gemv_probe.py $OUT/gemv_probe.json > $OUT/bench.log 2>&1
+# PROBE_S=0 skips the probe; MODELS=smollm2 benchmarks one model (an earlier call did the other)
+[ "${PROBE_S:-60}" -gt 0 ] && timeout $(left ${PROBE_S:-60}) python3 benchmarks/gemv_probe.py $OUT/gemv_probe.json \
+  > $OUT/bench.log 2>&1
 el "gemv probe rc=$?"
-timeout $(left ${BENCH_S:-260}) python3 benchmarks/gpu_decode.py --models smollm2,llama8b --smol $M --repeats 3 \
+timeout $(left ${BENCH_S:-260}) python3 benchmarks/gpu_decode.py --models ${MODELS:-smollm2,llama8b} --smol $M --repeats 3 \
   --tput-tokens 64 --out-dir $OUT >> $OUT/bench.log 2>&1
 el "bench rc=$?"; tail -24 $OUT/bench.log | cut -c1-240
-( timeout $(left 150) python3 -m pytest -q tests/test_gpu_graphs.py tests/test_kernel_switch.py -k "not smollm2"
+( timeout $(left 150) python3 -m pytest -q tests/test_gpu_fused_decode.py tests/test_gpu_graphs.py tests/test_kernel_switch.py \
+    -k "not smollm2"
   timeout $(left 120) python3 -m pytest -q tests/test_gpu_multistep.py
-  timeout $(left 60) compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu_sanitize_case.py 2>&1 | tail -20
+  timeout $(left 150) compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu_sanitize_case.py 2>&1 | tail -20
   echo "sanitizer rc=$?" ) > $OUT/gpu_tests.log 2>&1 &
 TERCEL_GPU_TEST_MAX_BUCKET=${MAX_BUCKET:-256} timeout $(left 300) python3 -m pytest -q tests/test_gpu_graphs.py -k smollm2 \
   > $OUT/gpu_tests_smollm2.log 2>&1 &

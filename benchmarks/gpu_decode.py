@@ -333,6 +333,7 @@ def main() -> None:
     env["commit"] = os.environ.get("TERCEL_COMMIT", env["commit"])  # the device copy has no .git
     env["command"] = "PYTHONPATH=. python " + " ".join(sys.argv)
     env["triton"] = __import__("triton").__version__
+    env["switches"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("TERCEL_") and "DIR" not in k}
     bw = gpu_copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     summary = []
