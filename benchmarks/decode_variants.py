@@ -1,7 +1,7 @@
 """Batch-1 decode variants side by side in one process (one model load, one GEMV tuning): the fused
 decode (norms / SwiGLU / residual adds in the GEMVs, RoPE + K/V store in the attention kernel, the
-o_proj weight prefetched into L2 during attention) against its parts switched off one at a time and
-against the unfused kernels; multi-step windows of several sizes.
+o_proj weight optionally prefetched into L2 during attention, PDL, split counts) against its parts
+switched one at a time and against the unfused kernels; multi-step windows of several sizes.
 
 Per variant: the bucket-1 graph's GPU time per step, a per-kernel profile of that graph (torch.profiler,
 CUDA time per step by kernel name), and bs=1 decode tok/s for each num_scheduler_steps (greedy, 256
@@ -26,16 +26,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import environment  # noqa: E402
 from gpu_decode import generate, gpu_copy_bandwidth, graph_step_ms, llama8b_loaded, weight_bytes  # noqa: E402
 
-def _switches(fused: str, attn: str, prefetch: str, pdl: str) -> dict[str, str]:
-    return {"TERCEL_FUSED_DECODE": fused, "TERCEL_DECODE_ATTN": attn, "TERCEL_L2_PREFETCH": prefetch, "TERCEL_PDL": pdl}
+def _switches(fused: str, attn: str, prefetch: str, pdl: str, splits: str = "16") -> dict[str, str]:
+    return {"TERCEL_FUSED_DECODE": fused, "TERCEL_DECODE_ATTN": attn, "TERCEL_L2_PREFETCH": prefetch, "TERCEL_PDL": pdl,
+            "TERCEL_DECODE_MAX_SPLITS": splits}
 
 
 VARIANTS = {  # name -> environment switches (tercel/kernels/__init__.py); the first is the default
-    "fused": _switches("1", "rope", "1", "0"),
-    "fused_attn_one": _switches("1", "one", "1", "0"),
-    "fused_attn_split": _switches("1", "split", "1", "0"),
-    "fused_no_prefetch": _switches("1", "rope", "0", "0"),
-    "fused_pdl": _switches("1", "rope", "1", "1"),
+    "fused": _switches("1", "rope", "0", "0"),
+    "fused_attn_one": _switches("1", "one", "0", "0"),
+    "fused_attn_split": _switches("1", "split", "0", "0"),
+    "fused_prefetch": _switches("1", "rope", "1", "0"),
+    "fused_pdl": _switches("1", "rope", "0", "1"),
+    "fused_splits4": _switches("1", "rope", "0", "0", "4"),
+    "fused_splits1": _switches("1", "rope", "0", "0", "1"),
     "unfused": _switches("0", "split", "0", "0"),
 }
 

@@ -28,7 +28,7 @@ for stage in "$@"; do
       el "tests"; grep -E "passed|failed|rc=|Error|error" $OUT/tests.log | tail -8
       grep -E "ERROR SUMMARY|rc=|sanitize case" $OUT/sanitizer.log | tail -4 ;;
     variants)
-      timeout ${VARIANTS_S:-330} python3 benchmarks/decode_variants.py --models llama8b \
+      timeout ${VARIANTS_S:-330} python3 benchmarks/decode_variants.py --models llama8b --steps ${VSTEPS:-1,8,32} \
         --out $OUT/decode_variants_llama8b.json > $OUT/variants.log 2>&1
       el "variants rc=$?"; grep -vE "^\s*$" $OUT/variants.log | tail -45 | cut -c1-200 ;;
     probe)

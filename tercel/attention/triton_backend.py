@@ -15,7 +15,7 @@ import torch
 
 from ..forward_batch import ForwardBatch
 from ..graphs.breakable import eager_break
-from ..kernels import decode_attention_mode, fused_decode_enabled, l2_prefetch_enabled
+from ..kernels import decode_attention_mode, decode_max_splits, fused_decode_enabled, l2_prefetch_enabled
 from ..kernels.attention import decode_attention, decode_attention_rope, decode_splits, extend_attention
 from ..kernels.fused import rope_store
 from ..kv import PagedKVCache
@@ -57,7 +57,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._split_counters: torch.Tensor | None = None
 
     def _decode_meta(self, batch: ForwardBatch, block_size: int) -> TritonAttentionMetadata:
-        splits = decode_splits(batch.block_tables.shape[0], self.num_kv_heads, self.num_sms)
+        splits = decode_splits(batch.block_tables.shape[0], self.num_kv_heads, self.num_sms, decode_max_splits())
         return TritonAttentionMetadata(True, batch.block_tables, batch.seq_lens, block_size, splits)
 
     def prepare(self, batch: ForwardBatch, block_size: int) -> TritonAttentionMetadata:

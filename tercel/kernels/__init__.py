@@ -9,7 +9,9 @@ Switches for side-by-side measurements (benchmarks/decode_variants.py):
   TERCEL_DECODE_ATTN      decode attention: rope (default: RoPE + K/V store in the split kernel, merge
                           kernel after), one (the merge in the same launch, by the last split), split (the
                           separate rope_store kernel before)
-  TERCEL_L2_PREFETCH=0    decode attention does not pull the o_proj weight into L2 while it runs
+  TERCEL_L2_PREFETCH=1    decode attention pulls the o_proj weight into L2 while it runs (measured slower
+                          on the H200: off by default)
+  TERCEL_DECODE_MAX_SPLITS  most split-KV programs per (request, KV head) in decode attention (default 16)
   TERCEL_PDL=1            programmatic dependent launch for the decode GEMVs and attention (measured slower
                           on the H200: off by default)
 """
@@ -63,7 +65,11 @@ def decode_attention_mode() -> str:
 
 
 def l2_prefetch_enabled() -> bool:
-    return os.environ.get("TERCEL_L2_PREFETCH", "1") != "0"
+    return os.environ.get("TERCEL_L2_PREFETCH", "0") == "1"
+
+
+def decode_max_splits() -> int:
+    return max(1, int(os.environ.get("TERCEL_DECODE_MAX_SPLITS", "16")))
 
 
 @functools.lru_cache(maxsize=None)
