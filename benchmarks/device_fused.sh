@@ -3,10 +3,12 @@
 # in order, logs under $OUT:
 #   tests      GPU tests without SmolLM2 (fused decode vs unfused, kernels, graphs, kernel switch), and the
 #              fused-decode test again without PDL; compute-sanitizer memcheck beside them  -> tests.log, sanitizer.log
-#   variants   benchmarks/decode_variants.py on the Llama-8B shape: fused+PDL / fused / unfused, N = 1, 8, 32,
-#              per-kernel profile of the bucket-1 graph                                 -> decode_variants_llama8b.json
+#   variants   benchmarks/decode_variants.py on the Llama-8B shape: the switch sets in $VARIANTS (default: fused,
+#              PDL, 4 and 1 KV splits, unfused), N in $VSTEPS, per-kernel profile of the bucket-1 graph
+#                                                                                       -> decode_variants_llama8b.json
 #   probe      benchmarks/gemv_probe.py                                                 -> gemv_probe.json
-#   bench8b    benchmarks/gpu_decode.py on the Llama-8B shape (defaults)               -> gpu_decode_llama8b.json
+#   bench8b    benchmarks/gpu_decode.py on the Llama-8B shape (defaults; multi-step N = $STEPS, default 8)
+#                                                                                       -> gpu_decode_llama8b.json
 # A carried SmolLM2 part (.carry/smol-N, ../shared/tools/split-smollm2) is copied into /tmp/smol first, for the
 # final call (benchmarks/device_gpu.sh) to reassemble. TERCEL_COMMIT names the commit in the result files.
 set -uo pipefail
@@ -28,7 +30,8 @@ for stage in "$@"; do
       el "tests"; grep -E "passed|failed|rc=|Error|error" $OUT/tests.log | tail -8
       grep -E "ERROR SUMMARY|rc=|sanitize case" $OUT/sanitizer.log | tail -4 ;;
     variants)
-      timeout ${VARIANTS_S:-330} python3 benchmarks/decode_variants.py --models llama8b --steps ${VSTEPS:-1,8,32} \
+      timeout ${VARIANTS_S:-330} python3 benchmarks/decode_variants.py --models llama8b --steps ${VSTEPS:-1,32,64} \
+        --variants ${VARIANTS:-fused,fused_pdl,fused_splits4,fused_splits1,unfused} \
         --out $OUT/decode_variants_llama8b.json > $OUT/variants.log 2>&1
       el "variants rc=$?"; grep -vE "^\s*$" $OUT/variants.log | tail -45 | cut -c1-200 ;;
     probe)
