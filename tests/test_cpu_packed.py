@@ -20,7 +20,8 @@ from gguf_utils import write_gguf  # noqa: E402
 from tercel import LLM  # noqa: E402
 from tercel.forward_batch import ForwardBatch  # noqa: E402
 from tercel.loader import gguf_file  # noqa: E402
-from tercel.models.cpu_linear import Q4_GROUP, PackedDense, PackedInt4, Q4Blocks, cpu_packing_available  # noqa: E402
+from tercel.models.cpu_linear import (Q4_GROUP, PackedDense, PackedInt4, Q4Blocks, cpu_packing_available,  # noqa: E402
+                                      pack_linear)
 
 pytestmark = pytest.mark.skipif(not cpu_packing_available(), reason="this torch build lacks oneDNN / int4 CPU matmul")
 transformers.logging.set_verbosity_error()
@@ -91,9 +92,15 @@ def test_packed_int4_equals_the_dense_matmul_up_to_bf16(rows):
     assert (out.float() - true).abs().max() <= 2e-2 * true.abs().max()
 
 
-def test_packed_int4_rejects_a_ragged_input_size():
-    with pytest.raises(ValueError, match="multiple of 32"):
-        PackedInt4(Q4Blocks(torch.zeros(4, 40, dtype=torch.uint8), torch.ones(4, 1), torch.zeros(4, 1)))
+def test_shapes_the_int4_kernel_cannot_take_are_packed_dense():
+    odd = Q4Blocks(torch.zeros(100, 64, dtype=torch.uint8), torch.ones(100, 2), torch.zeros(100, 2))  # 100 % 16
+    with pytest.raises(ValueError, match=r"\[100, 64\]"):
+        PackedInt4(odd)
+    packed = pack_linear(odd.dequantize(), odd)
+    assert isinstance(packed, PackedDense)
+    x = torch.randn(2, 64).bfloat16()
+    assert torch.allclose(packed(x).float(), torch.zeros(2, 100))
+    assert isinstance(pack_linear(torch.zeros(96, 64), _blocks(96, 64)), PackedInt4)
 
 
 @pytest.mark.parametrize("rows", [1, 7])

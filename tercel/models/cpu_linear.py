@@ -63,10 +63,16 @@ class PackedDense(CpuPackedLinear):
 
 
 class PackedInt4(CpuPackedLinear):
+    @staticmethod
+    def supports(n: int, k: int) -> bool:
+        """The kernel's layout: rows in multiples of 16, inputs in whole groups."""
+        return n % 16 == 0 and k % Q4_GROUP == 0
+
     def __init__(self, blocks: Q4Blocks) -> None:
         n, k = blocks.q.shape
-        if k % Q4_GROUP:
-            raise ValueError(f"a 4-bit weight needs its input size ({k}) to be a multiple of {Q4_GROUP}.")
+        if not self.supports(n, k):
+            raise ValueError(f"the int4 CPU matmul needs a [N, K] weight with N a multiple of 16 and K of "
+                             f"{Q4_GROUP}; got [{n}, {k}] (pack it with PackedDense instead).")
         self.out_features = n
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.to(torch.int32), 1)
         zero = blocks.min + 8 * blocks.scale  # exact in fp32: see the module docstring
@@ -80,6 +86,13 @@ class PackedInt4(CpuPackedLinear):
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def pack_linear(weight: torch.Tensor, blocks: Q4Blocks | None) -> CpuPackedLinear:
+    """4-bit when the weight came as 4-bit blocks of a shape the kernel takes, else dense bf16."""
+    if blocks is not None and PackedInt4.supports(*blocks.q.shape):
+        return PackedInt4(blocks)
+    return PackedDense(weight)
 
 
 def cpu_packing_available() -> bool:

@@ -16,7 +16,7 @@ from ..config import ConfigError, ModelConfig
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from ..kernels import use_triton
 from ..kv import PagedKVCache
-from .cpu_linear import CpuPackedLinear, PackedDense, PackedInt4, Q4Blocks
+from .cpu_linear import CpuPackedLinear, PackedDense, PackedInt4, Q4Blocks, pack_linear
 from .linear import Linear, linear
 from .rope import RotaryEmbedding, apply_rope
 
@@ -182,11 +182,10 @@ class LlamaForCausalLM(nn.Module):
         copy is dropped; the rest, the lm_head too, are packed dense."""
         def pack(module: Linear, parts: list[str]) -> CpuPackedLinear:
             blocks = [q4.get(p) for p in parts]
-            if all(b is not None for b in blocks):
-                packed: CpuPackedLinear = PackedInt4(Q4Blocks.cat(blocks))
+            packed = pack_linear(module.weight, Q4Blocks.cat(blocks) if all(b is not None for b in blocks) else None)
+            if isinstance(packed, PackedInt4):
                 module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
-                return packed
-            return PackedDense(module.weight)
+            return packed
 
         for i, layer in enumerate(self.layers):
             pre = f"model.layers.{i}."
