@@ -15,10 +15,10 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import last_logits  # noqa: E402
 from gguf_utils import write_gguf  # noqa: E402
 
 from tercel import LLM  # noqa: E402
-from tercel.forward_batch import ForwardBatch  # noqa: E402
 from tercel.loader import gguf_file  # noqa: E402
 from tercel.models.cpu_linear import (Q4_GROUP, PackedDense, PackedInt4, Q4Blocks, cpu_packing_available,  # noqa: E402
                                       pack_linear)
@@ -113,21 +113,6 @@ def test_packed_dense_equals_f_linear(rows):
     assert (out.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
 
 
-def _last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    eng = llm.engine
-    bs = eng.kv.block_size
-    blocks = eng.kv.allocator.allocate(-(-len(ids) // bs))
-    try:
-        pos = torch.arange(len(ids))
-        table = torch.tensor([blocks])
-        batch = ForwardBatch(torch.tensor(ids), pos, table[0][pos // bs] * bs + pos % bs, torch.tensor([len(ids)]),
-                             table, torch.tensor([len(ids) - 1]), [len(ids)], [len(ids)])
-        with torch.inference_mode():
-            return eng.model(batch, eng.kv).logits[0].float()
-    finally:
-        eng.kv.allocator.free(blocks)
-
-
 def _tiny(path: Path, dtype: str, **kw) -> LLM:
     return LLM(str(path), dtype=dtype, device="cpu", max_model_len=128, num_kv_blocks=16, skip_tokenizer_init=True,
                progress=False, **kw)
@@ -144,9 +129,9 @@ def test_bf16_model_keeps_4bit_weights_and_is_as_close_to_fp32_as_dense_bf16(tin
     assert isinstance(dense.engine.model.layers[0].self_attn.qkv_proj.gemv, PackedDense)
     assert ref.engine.model.layers[0].self_attn.qkv_proj.gemv is None  # fp32 stays the exact reference
     for ids in PROMPTS:
-        want = _last_logits(ref, ids)
-        err_q4 = (_last_logits(q4, ids) - want).abs().max().item()
-        err_dense = (_last_logits(dense, ids) - want).abs().max().item()
+        want = last_logits(ref, ids)
+        err_q4 = (last_logits(q4, ids) - want).abs().max().item()
+        err_dense = (last_logits(dense, ids) - want).abs().max().item()
         scale = want.abs().max().item()
         assert err_q4 <= 0.03 * scale and err_dense <= 0.03 * scale, (err_q4, err_dense, scale)
         assert err_q4 <= 3 * err_dense + 1e-3 * scale, (err_q4, err_dense)
@@ -161,9 +146,9 @@ def test_smollm2_bf16_4bit_next_tokens_track_fp32_like_dense_bf16(smol_path, smo
     tv = {"q4": [], "dense": []}
     top = {"q4": 0, "dense": 0}
     for ids in smol_chat_ids:
-        p = _last_logits(smol_llm, ids).softmax(-1)
+        p = last_logits(smol_llm, ids).softmax(-1)
         for name, llm in (("q4", q4), ("dense", dense)):
-            lq = _last_logits(llm, ids)
+            lq = last_logits(llm, ids)
             tv[name].append(0.5 * (lq.softmax(-1) - p).abs().sum().item())
             top[name] += int(lq.argmax() == p.argmax())
     mean = {k: sum(v) / len(v) for k, v in tv.items()}
