@@ -57,7 +57,7 @@ class PackedDense(CpuPackedLinear):
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w, 1)  # laid out for a batch-1 (decode) call
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
         y = torch.ops.mkldnn._linear_pointwise(x2, self.weight, bias, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
 
@@ -81,8 +81,8 @@ class PackedInt4(CpuPackedLinear):
         self.nbytes = self.packed.numel() + self.scales_and_zeros.numel() * 2
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.packed, Q4_GROUP, self.scales_and_zeros)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, Q4_GROUP, self.scales_and_zeros)
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], self.out_features)

@@ -85,7 +85,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("engine")
     e.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
     e.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    e.add_argument("--dequantize-gguf", action="store_true", help="keep a GGUF's 4-bit weights as dense ones (by default, bf16 on CPU keeps Q4_0/Q4_1 matrices 4-bit)")
+    e.add_argument("--dequantize-gguf", action="store_true",
+                   help="run a GGUF's 4-bit matrices as dense ones (bf16 on CPU keeps Q4_0/Q4_1 4-bit by default)")
     e.add_argument("--max-model-len", type=_positive_int, default=None, help="longest sequence (default: model's, <= 8192)")
     e.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="bytes for the KV cache, e.g. 2GiB (CPU default 1 GiB; GPU: --gpu-memory-utilization)")
