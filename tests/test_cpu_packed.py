@@ -154,3 +154,20 @@ def test_smollm2_bf16_4bit_next_tokens_track_fp32_like_dense_bf16(smol_path, smo
     mean = {k: sum(v) / len(v) for k, v in tv.items()}
     assert mean["q4"] <= 0.05 and mean["q4"] <= 2 * mean["dense"] + 0.005, mean
     assert top["q4"] >= top["dense"] - 1 and top["q4"] >= len(smol_chat_ids) - 2, top
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "DFLASH"])
+def test_bf16_drafts_of_smollm2_are_prepacked_and_still_accept(smol_path, smol_chat_ids, algorithm):
+    """The bundled drafts load their linears prepacked too, and their drafts are still accepted."""
+    from tercel import SamplingParams
+
+    llm = LLM(smol_path, dtype="bfloat16", device="cpu", max_model_len=512, progress=False,
+              speculative_algorithm=algorithm)
+    drafter = llm.engine.spec.drafter
+    draft = drafter.model if algorithm == "EAGLE3" else drafter.draft
+    assert isinstance(draft.fc.gemv, PackedDense)
+    out = llm.generate(smol_chat_ids[:2], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 32 for o in out)
+    accept = [o.metrics.mean_accept_length for o in out]
+    assert sum(accept) / len(accept) > 1.2, accept  # a draft that lost its weights accepts ~1.0

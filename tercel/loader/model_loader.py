@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from ..config import ConfigError, ModelConfig
 from ..kernels import triton_enabled
-from ..models.cpu_linear import cpu_packing_available
+from ..models.cpu_linear import wants_cpu_packing
 from ..models.llama import LlamaForCausalLM
 from ..models.rope import RotaryEmbedding
 from . import gguf_file, hf
@@ -116,7 +116,7 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     net = build_model(cfg, max_model_len, dtype, device)
     bar = tqdm(tensors, total=total, desc=f"Loading {path.name}", unit="tensor", disable=not progress, leave=False)
     net.load_weights(((n, t.to(device)) for n, t in bar), source=str(path))
-    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_packing_available():
+    if wants_cpu_packing(device, dtype):
         q4 = dict(gguf_file.iter_q4_weights(reader, raw)) if is_gguf and not dequantize_gguf else {}
         net.pack_cpu_linears(q4)
     tokenizer = load_tokenizer(path, is_gguf) if load_tokenizer_too else None

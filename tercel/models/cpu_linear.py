@@ -98,3 +98,8 @@ def pack_linear(weight: torch.Tensor, blocks: Q4Blocks | None) -> CpuPackedLinea
 def cpu_packing_available() -> bool:
     """oneDNN and the int4 CPU matmul ship with torch's CPU builds; a build without them keeps F.linear."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def wants_cpu_packing(device: torch.device, dtype: torch.dtype) -> bool:
+    """Packing pays for bf16 on CPU (fp32 keeps the exact reference path, GPUs their own kernels)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and cpu_packing_available()
