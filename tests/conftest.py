@@ -82,3 +82,21 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
             out_ids.append(tok)
             out = model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
     return out_ids
+
+
+def last_logits(llm, ids: list[int]) -> torch.Tensor:
+    """Last-token logits (fp32) of one prefill of `ids` through a tercel.LLM's own forward path."""
+    from tercel.forward_batch import ForwardBatch
+
+    eng = llm.engine
+    bs = eng.kv.block_size
+    blocks = eng.kv.allocator.allocate(-(-len(ids) // bs))
+    try:
+        pos = torch.arange(len(ids))
+        table = torch.tensor([blocks])
+        batch = ForwardBatch(torch.tensor(ids), pos, table[0][pos // bs] * bs + pos % bs, torch.tensor([len(ids)]),
+                             table, torch.tensor([len(ids) - 1]), [len(ids)], [len(ids)])
+        with torch.inference_mode():
+            return eng.model(batch, eng.kv).logits[0].float()
+    finally:
+        eng.kv.allocator.free(blocks)

@@ -15,10 +15,10 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import last_logits  # noqa: E402
 from gguf_utils import write_gguf  # noqa: E402
 
 from tercel import LLM, SamplingParams  # noqa: E402
-from tercel.forward_batch import ForwardBatch  # noqa: E402
 from tercel.loader import gguf_file  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -63,22 +63,6 @@ def _llm(path: Path) -> LLM:
                skip_tokenizer_init=True, progress=False)
 
 
-def _last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Last-token logits of one prefill through the engine's own forward path."""
-    eng = llm.engine
-    bs = eng.kv.block_size
-    blocks = eng.kv.allocator.allocate(-(-len(ids) // bs))
-    try:
-        pos = torch.arange(len(ids))
-        table = torch.tensor([blocks])
-        batch = ForwardBatch(torch.tensor(ids), pos, table[0][pos // bs] * bs + pos % bs, torch.tensor([len(ids)]),
-                             table, torch.tensor([len(ids) - 1]), [len(ids)], [len(ids)])
-        with torch.inference_mode():
-            return eng.model(batch, eng.kv).logits[0]
-    finally:
-        eng.kv.allocator.free(blocks)
-
-
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     reader = gguf_file.open_reader(path)
     cfg = gguf_file.gguf_config(reader, path)
@@ -94,7 +78,7 @@ def _check_tensors_and_logits(path: Path, cfg, expected: dict[str, torch.Tensor]
     hf = _hf_with(cfg, expected)
     llm = _llm(path)
     for ids in PROMPTS:
-        ours = _last_logits(llm, ids)
+        ours = last_logits(llm, ids)
         with torch.inference_mode():
             ref = hf(torch.tensor([ids])).logits[0, -1]
         assert (ours - ref).abs().max().item() <= 1e-4

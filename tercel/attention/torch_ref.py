@@ -139,7 +139,10 @@ class TorchAttentionBackend(AttentionBackend):
         """One request, one query: two bmm calls with the query heads grouped per KV head (fewer,
         cheaper ops than SDPA's general path; this is the CPU latency case)."""
         group = self.num_heads // self.num_kv_heads
+        dtype = q.dtype
+        if dtype != torch.float32:  # CPU bmm is several times slower in bf16 than fp32 at these tiny sizes
+            q, keys, values = q.float(), keys.float(), values.float()
         qg = q.view(self.num_kv_heads, group, self.head_dim)
         scores = torch.bmm(qg, keys.permute(1, 2, 0)).mul_(self.scale)  # [Hkv, G, S]
         out = torch.bmm(scores.softmax(-1), values.transpose(0, 1))  # [Hkv, G, D]
-        return out.reshape(1, -1)
+        return out.reshape(1, -1).to(dtype)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
+from ..models.cpu_linear import Q4Blocks
 
 # GGUF architecture -> HF architecture
 GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -151,3 +152,35 @@ def iter_gguf_tensors(reader, path: Path, cfg: dict[str, Any]) -> Iterator[tuple
                     f"metadata and tensors disagree.")
             tensor = _unpermute(tensor, heads)
         yield name, tensor
+
+
+def _q4_blocks(t, qtype: str, shape: tuple[int, ...]) -> Q4Blocks:
+    """A Q4_0 / Q4_1 tensor's raw blocks as (q, scale, min), without dequantizing: each block of 32
+    weights is fp16 d (Q4_1: then fp16 m) and 16 bytes of nibbles, low nibbles first."""
+    n, k = shape
+    width = 20 if qtype == "Q4_1" else 18
+    raw = np.ascontiguousarray(t.data).reshape(n * k // 32, width)
+    d = raw[:, 0:2].copy().view(np.float16).astype(np.float32)
+    m = raw[:, 2:4].copy().view(np.float16).astype(np.float32) if qtype == "Q4_1" else -8.0 * d
+    nib = raw[:, width - 16:]
+    q = np.concatenate([nib & 0xF, nib >> 4], axis=1)
+    return Q4Blocks(torch.from_numpy(q.reshape(n, k)), torch.from_numpy(d.reshape(n, k // 32)),
+                    torch.from_numpy(np.ascontiguousarray(m).reshape(n, k // 32)))
+
+
+def iter_q4_weights(reader, cfg: dict[str, Any]) -> Iterator[tuple[str, Q4Blocks]]:
+    """(HF name, Q4Blocks) for every Q4_0 / Q4_1 matrix, rows in HF order like iter_gguf_tensors.
+    The caller has loaded the file through iter_gguf_tensors, which checked names and shapes."""
+    gguf = _gguf()
+    permute = cfg["architectures"][0] in ("LlamaForCausalLM", "MistralForCausalLM")
+    for t in reader.tensors:
+        qtype = gguf.GGMLQuantizationType(t.tensor_type).name
+        name = hf_name(t.name)
+        if qtype not in ("Q4_0", "Q4_1") or name is None or len(t.shape) != 2:
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape))
+        blocks = _q4_blocks(t, qtype, shape)
+        if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
+            blocks = blocks.rows(_unpermute(torch.arange(shape[0]), heads))
+        yield name, blocks

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from ..config import ConfigError, ModelConfig
 from ..kernels import triton_enabled
+from ..models.cpu_linear import wants_cpu_packing
 from ..models.llama import LlamaForCausalLM
 from ..models.rope import RotaryEmbedding
 from . import gguf_file, hf
@@ -89,8 +90,10 @@ DEFAULT_MAX_MODEL_LEN = 8192
 
 
 def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
-               load_tokenizer_too: bool = True, progress: bool = True) -> LoadedModel:
-    """max_model_len: longest sequence served (sizes the RoPE table); default min(model's, 8192)."""
+               load_tokenizer_too: bool = True, progress: bool = True, dequantize_gguf: bool = False) -> LoadedModel:
+    """max_model_len: longest sequence served (sizes the RoPE table); default min(model's, 8192).
+    bf16 on CPU: linears are prepacked for oneDNN, and a GGUF's Q4_0 / Q4_1 matrices stay 4-bit
+    unless dequantize_gguf (models.cpu_linear); fp32 and GPU models run dense weights."""
     path = resolve_model_path(model)
     is_gguf = path.is_file()
     if is_gguf:
@@ -113,6 +116,9 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     net = build_model(cfg, max_model_len, dtype, device)
     bar = tqdm(tensors, total=total, desc=f"Loading {path.name}", unit="tensor", disable=not progress, leave=False)
     net.load_weights(((n, t.to(device)) for n, t in bar), source=str(path))
+    if wants_cpu_packing(device, dtype):
+        q4 = dict(gguf_file.iter_q4_weights(reader, raw)) if is_gguf and not dequantize_gguf else {}
+        net.pack_cpu_linears(q4)
     tokenizer = load_tokenizer(path, is_gguf) if load_tokenizer_too else None
     eos = set(cfg.eos_token_ids)
     if not is_gguf and (path / "generation_config.json").is_file():

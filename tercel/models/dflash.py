@@ -20,6 +20,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from ..kv import KVCacheSpec, PagedKVCache
+from .linear import Linear, prepack_for_cpu
 from .llama import MLP, RMSNorm
 from .rope import RotaryEmbedding, apply_rope
 
@@ -83,10 +84,10 @@ class DFlashAttention(nn.Module):
         super().__init__()
         self.layer = layer
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_proj = Linear(cfg.hidden_size, self.h * self.d, bias=cfg.attention_bias)
+        self.k_proj = Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, self.hkv * self.d, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
 
@@ -125,7 +126,7 @@ class DFlashDraftModel(nn.Module):
         super().__init__()
         self.config = cfg
         lc = cfg.layers
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * lc.hidden_size, lc.hidden_size, bias=False)
+        self.fc = Linear(len(cfg.target_layer_ids) * lc.hidden_size, lc.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(lc, i) for i in range(lc.num_layers))
         self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
@@ -231,7 +232,9 @@ def load_dflash(path: str | Path, target: ModelConfig, dtype: torch.dtype, devic
     model.rope = RotaryEmbedding(cfg.layers, max_positions, dtype).to(device)
     model.load_weights(hf.iter_safetensors(hf.safetensors_files(path)), str(path))
     _sort_target_layers(model)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    prepack_for_cpu(model, device, dtype)
+    return model
 
 
 def _sort_target_layers(model: DFlashDraftModel) -> None:

@@ -30,6 +30,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from ..kv import KVCacheSpec
+from .linear import Linear, prepack_for_cpu
 from .llama import MLP, Attention, RMSNorm
 from .rope import RotaryEmbedding, apply_rope
 
@@ -119,7 +120,7 @@ class Eagle3Layer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(dataclasses.replace(cfg, hidden_size=2 * cfg.hidden_size), 0)  # q/k/v read 2H
-        self.self_attn.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.self_attn.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -138,14 +139,14 @@ class EagleDraftModel(nn.Module):
         self._target_embed: torch.Tensor | None = None
         self._target_head: torch.Tensor | None = None
         if cfg.kind == "eagle3":
-            self.fc = nn.Linear(cfg.fc_in, lc.hidden_size, bias=False)
+            self.fc = Linear(cfg.fc_in, lc.hidden_size, bias=False)
             self.midlayer = Eagle3Layer(lc)
             self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
-            self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(lc.hidden_size, cfg.draft_vocab_size, bias=False)
+            self.lm_head = None if cfg.tie_word_embeddings else Linear(lc.hidden_size, cfg.draft_vocab_size, bias=False)
         else:
             from .llama import DecoderLayer
 
-            self.fc = nn.Linear(2 * lc.hidden_size, lc.hidden_size, bias=True)
+            self.fc = Linear(2 * lc.hidden_size, lc.hidden_size, bias=True)
             self.layers = nn.ModuleList(DecoderLayer(lc, i) for i in range(lc.num_layers))
             self.layers[0].input_layernorm = None  # EAGLE skips the first layer's input norm
         self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size), persistent=False)
@@ -195,8 +196,9 @@ class EagleDraftModel(nn.Module):
         """Draft-vocabulary logits (float32) from pre-norm hidden states."""
         if self.config.kind == "eagle":
             return F.linear(h, self._target_head).float()
-        head = self.lm_head.weight if self.lm_head is not None else (
-            self.embed_tokens.weight if self.embed_tokens is not None else self._target_embed)
+        if self.lm_head is not None:
+            return self.lm_head(self.norm(h)).float()
+        head = self.embed_tokens.weight if self.embed_tokens is not None else self._target_embed
         return F.linear(self.norm(h), head).float()
 
     # ---- weights -------------------------------------------------------------------------
@@ -306,4 +308,6 @@ def load_eagle_draft(path: str | Path, target: ModelConfig, dtype: torch.dtype, 
     model.rope = RotaryEmbedding(cfg.layers, max_positions, dtype).to(device)
     model.draft_to_target = torch.arange(cfg.draft_vocab_size, device=device)
     model.load_weights(hf.iter_safetensors(files), str(path))
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    prepack_for_cpu(model, device, dtype)
+    return model

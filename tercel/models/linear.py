@@ -1,8 +1,11 @@
-"""nn.Linear that can route batch-1 calls (decode at one request) through the Triton GEMV.
+"""nn.Linear with a per-weight kernel choice, `gemv`:
 
-`gemv` is None (cuBLAS, the default everywhere) until tercel.kernels.gemv_tune measured the GEMV
-faster for this weight's shape on this GPU; CPU tensors, biased layers and autograd always take
-F.linear.
+  None              F.linear (cuBLAS / the CPU BLAS), the default everywhere;
+  GemvConfig        batch-1 calls through the Triton GEMV, set by tercel.kernels.gemv_tune where it
+                    measured the GEMV faster for this shape on this GPU (biased layers and autograd
+                    still take F.linear);
+  CpuPackedLinear   a bf16 CPU weight prepacked once (oneDNN) or a GGUF 4-bit weight kept 4-bit
+                    (models.cpu_linear), used for every call.
 """
 from __future__ import annotations
 
@@ -11,12 +14,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import use_triton
+from .cpu_linear import CpuPackedLinear, PackedDense, wants_cpu_packing
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, gemv_config=None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), through the tuned GEMV when one is set, there is no bias and x is a
     single row. (The model calls this on its Linear modules' tensors instead of calling the modules:
     the module-call overhead shows on a CPU decode step.)"""
+    if isinstance(gemv_config, CpuPackedLinear):
+        return gemv_config(x, bias)
     if bias is not None:
         return F.linear(x, weight, bias)
     if gemv_config is not None and x.dim() == 2 and x.shape[0] == 1 and use_triton(x, weight):
@@ -27,7 +33,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, gemv_config=None, bias: torch.
 
 
 class Linear(nn.Linear):
-    gemv = None  # tercel.kernels.gemv.GemvConfig, set by the tuner
+    gemv = None  # GemvConfig (set by the GPU tuner) or CpuPackedLinear (set at CPU load): see above
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.gemv, self.bias)
+
+
+def prepack_for_cpu(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """bf16 on CPU: every Linear of a loaded, frozen `module` gets a oneDNN-prepacked copy of its
+    weight (models.cpu_linear); otherwise nothing changes."""
+    if not wants_cpu_packing(device, dtype):
+        return
+    for m in module.modules():
+        if isinstance(m, Linear) and m.weight.numel():
+            m.gemv = PackedDense(m.weight)

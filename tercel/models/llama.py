@@ -23,6 +23,7 @@ from ..config import ConfigError, ModelConfig
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from ..kernels import fused_decode_enabled, use_triton
 from ..kv import PagedKVCache
+from .cpu_linear import CpuPackedLinear, PackedDense, PackedInt4, Q4Blocks, pack_linear
 from .linear import Linear, linear
 from .rope import RotaryEmbedding, apply_rope
 
@@ -236,6 +237,29 @@ class LlamaForCausalLM(nn.Module):
         return ModelOutput(logits=logits, hidden_states=hidden)
 
     # ---- weights -------------------------------------------------------------------------
+    def pack_cpu_linears(self, q4: dict[str, Q4Blocks]) -> None:
+        """bf16 on CPU: give every linear a prepacked kernel (models.cpu_linear). A fused projection
+        whose HF parts all came as GGUF 4-bit blocks (`q4`, by HF name) stays 4-bit, and its dense
+        copy is dropped; the rest, the lm_head too, are packed dense."""
+        def pack(module: Linear, parts: list[str]) -> CpuPackedLinear:
+            blocks = [q4.get(p) for p in parts]
+            packed = pack_linear(module.weight, Q4Blocks.cat(blocks) if all(b is not None for b in blocks) else None)
+            if isinstance(packed, PackedInt4):
+                module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+            return packed
+
+        for i, layer in enumerate(self.layers):
+            pre = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj.gemv = pack(attn.qkv_proj, [f"{pre}self_attn.{p}_proj.weight" for p in "qkv"])
+            attn.o_proj.gemv = pack(attn.o_proj, [f"{pre}self_attn.o_proj.weight"])
+            mlp.gate_up_proj.gemv = pack(mlp.gate_up_proj, [f"{pre}mlp.{p}_proj.weight" for p in ("gate", "up")])
+            mlp.down_proj.gemv = pack(mlp.down_proj, [f"{pre}mlp.down_proj.weight"])
+        if self.lm_head is None:  # tied: the embedding table stays for lookups, the head gets its own packing
+            self.lm_head_gemv = PackedDense(self.embed_tokens.weight)
+        else:
+            self.lm_head.gemv = pack(self.lm_head, ["lm_head.weight"])
+
     _FUSED = {  # HF name piece -> (fused parameter piece, shard index)
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),

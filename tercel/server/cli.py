@@ -85,6 +85,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("engine")
     e.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
     e.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    e.add_argument("--dequantize-gguf", action="store_true",
+                   help="run a GGUF's 4-bit matrices as dense ones (bf16 on CPU keeps Q4_0/Q4_1 4-bit by default)")
     e.add_argument("--max-model-len", type=_positive_int, default=None, help="longest sequence (default: model's, <= 8192)")
     e.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="bytes for the KV cache, e.g. 2GiB (CPU default 1 GiB; GPU: --gpu-memory-utilization)")
@@ -155,7 +157,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from ..engine import LLMEngine
 
     api_key = args.api_key or os.environ.get("TERCEL_API_KEY") or None
-    engine_kw = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+    engine_kw = dict(dtype=args.dtype, device=args.device, dequantize_gguf=args.dequantize_gguf,
+                     max_model_len=args.max_model_len,
                      kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
                      block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens,

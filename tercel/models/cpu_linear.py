@@ -1,0 +1,105 @@
+"""bf16 linears on the CPU through prepacked weights (oneDNN), and 4-bit GGUF weights kept 4-bit.
+
+F.linear on a bf16 CPU tensor re-lays the weight out for oneDNN on every call, so a bf16 decode
+step is slower than fp32 on the same CPU. Packing each weight once at load time removes that:
+  - PackedDense: the weight reordered for oneDNN (torch.ops.mkldnn); any linear.
+  - PackedInt4:  a GGUF Q4_0 / Q4_1 weight kept at 4 bits (torch's int4 CPU matmul, groups of 32):
+    a quarter of the bf16 bytes, and a decode step is bound by the bytes of weight it reads.
+Both take bf16 activations and return bf16. GGUF stores w = d * q + m per block of 32 (Q4_0:
+m = -8 d) with d, m in fp16; the int4 kernel computes w = (q - 8) * scale + zero, so scale = d and
+zero = m + 8 d. That is exact in fp32; the kernel wants scale/zero in the activation dtype, and
+rounding them to bf16 errs by the same relative amount (2^-9) as rounding the dense weights to bf16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Q4_GROUP = 32  # GGUF Q4_0 / Q4_1 block length along the input dimension
+
+
+@dataclass(slots=True)
+class Q4Blocks:
+    """A 4-bit GGUF weight [N, K] as w = scale * q + min per group of Q4_GROUP inputs."""
+    q: torch.Tensor  # uint8 [N, K], values 0..15
+    scale: torch.Tensor  # float32 [N, K // Q4_GROUP]
+    min: torch.Tensor  # float32 [N, K // Q4_GROUP]
+
+    def dequantize(self) -> torch.Tensor:
+        g = lambda t: t.repeat_interleave(Q4_GROUP, dim=1)  # noqa: E731
+        return g(self.scale) * self.q.float() + g(self.min)
+
+    def rows(self, index: torch.Tensor) -> "Q4Blocks":
+        return Q4Blocks(self.q[index], self.scale[index], self.min[index])
+
+    @staticmethod
+    def cat(parts: list["Q4Blocks"]) -> "Q4Blocks":
+        """Stack along the output dimension (fused q/k/v or gate/up projections)."""
+        return Q4Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                        torch.cat([p.min for p in parts]))
+
+
+class CpuPackedLinear:
+    """A weight prepared for one CPU kernel; called as packed(x, bias) in place of F.linear."""
+    out_features: int
+    nbytes: int
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PackedDense(CpuPackedLinear):
+    def __init__(self, weight: torch.Tensor) -> None:
+        w = weight.detach().to(torch.bfloat16).contiguous()
+        self.out_features = w.shape[0]
+        self.nbytes = w.numel() * w.element_size()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(w, 1)  # laid out for a batch-1 (decode) call
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.weight, bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class PackedInt4(CpuPackedLinear):
+    @staticmethod
+    def supports(n: int, k: int) -> bool:
+        """The kernel's layout: rows in multiples of 16, inputs in whole groups."""
+        return n % 16 == 0 and k % Q4_GROUP == 0
+
+    def __init__(self, blocks: Q4Blocks) -> None:
+        n, k = blocks.q.shape
+        if not self.supports(n, k):
+            raise ValueError(f"the int4 CPU matmul needs a [N, K] weight with N a multiple of 16 and K of "
+                             f"{Q4_GROUP}; got [{n}, {k}] (pack it with PackedDense instead).")
+        self.out_features = n
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.to(torch.int32), 1)
+        zero = blocks.min + 8 * blocks.scale  # exact in fp32: see the module docstring
+        # [K // group, N, 2] as the kernel wants it
+        self.scales_and_zeros = torch.stack([blocks.scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.nbytes = self.packed.numel() + self.scales_and_zeros.numel() * 2
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, Q4_GROUP, self.scales_and_zeros)
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def pack_linear(weight: torch.Tensor, blocks: Q4Blocks | None) -> CpuPackedLinear:
+    """4-bit when the weight came as 4-bit blocks of a shape the kernel takes, else dense bf16."""
+    if blocks is not None and PackedInt4.supports(*blocks.q.shape):
+        return PackedInt4(blocks)
+    return PackedDense(weight)
+
+
+def cpu_packing_available() -> bool:
+    """oneDNN and the int4 CPU matmul ship with torch's CPU builds; a build without them keeps F.linear."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def wants_cpu_packing(device: torch.device, dtype: torch.dtype) -> bool:
+    """Packing pays for bf16 on CPU (fp32 keeps the exact reference path, GPUs their own kernels)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and cpu_packing_available()
