@@ -24,6 +24,7 @@ PROMPTS = ["Tell me about the ocean.", "Write a Python function that checks if a
 TERCEL = {"fp32": dict(dtype="float32"), "bf16-4bit": dict(dtype="bfloat16"),
           "bf16-dense": dict(dtype="bfloat16", dequantize_gguf=True)}
 HF = {"fp32": torch.float32, "bf16": torch.bfloat16}
+HF_SAME_DTYPE = {"fp32": "fp32", "bf16-4bit": "bf16", "bf16-dense": "bf16"}  # Tercel side -> HF side
 
 
 def step_weight_bytes(model: torch.nn.Module) -> int:
@@ -110,7 +111,7 @@ def main() -> None:
             step = bs * n / tps[f"tercel {k}"] / n
             roof = weight_bytes[k] / bw
             row["tercel"][k] = {"speedup_vs_hf_fastest": round(tps[f"tercel {k}"] / hf_best, 3),
-                                "speedup_vs_hf_same_dtype": round(tps[f"tercel {k}"] / tps[f"hf {k[:4]}"], 3),
+                                "speedup_vs_hf_same_dtype": round(tps[f"tercel {k}"] / tps[f"hf {HF_SAME_DTYPE[k]}"], 3),
                                 "step_ms": round(step * 1000, 2), "roofline_step_ms": round(roof * 1000, 2),
                                 "roofline_fraction": round(roof / step, 3)}
         rows.append(row)
