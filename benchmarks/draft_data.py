@@ -5,6 +5,7 @@ tercel.train.data (held-out eval prompts excluded) with Tercel's engine at a lar
 `tercel train-draft --out DIR` reuses DIR/data.pt when present.
 Usage: PYTHONPATH=. python benchmarks/draft_data.py --out DIR [--model GGUF] [--device cuda]
        [--num-prompts 8000] [--synth-prompts 24000] [--max-new-tokens 256] [--batch 1024] [--time-budget 500]
+       [--synth-share 0.2]
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1024, help="prompt + response tokens")
     ap.add_argument("--batch", type=int, default=1024, help="requests running at once (and CUDA-graph max bs)")
     ap.add_argument("--time-budget", type=float, default=None, help="stop starting new waves after this (whole job)")
+    ap.add_argument("--synth-share", type=float, default=0.2, help="most of the time budget spent writing prompts")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -35,7 +37,7 @@ def main() -> None:
     llm = LLM(args.model, device=args.device, max_model_len=args.max_len, max_num_seqs=args.batch,
               max_num_batched_tokens=max(8192, 4 * args.batch), cuda_graph_max_bs=args.batch, progress=False)
     samples = make_dataset(llm, args.num_prompts, args.synth_prompts, args.max_new_tokens, 0.0, args.seed,
-                           wave=4 * args.batch, time_budget_s=args.time_budget)
+                           wave=4 * args.batch, time_budget_s=args.time_budget, synth_share=args.synth_share)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     save_samples(samples, out / "data.pt")

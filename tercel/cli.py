@@ -108,6 +108,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
+    if args.algorithm == "dflash" and args.init_from:
+        from .config import ConfigError
+
+        raise ConfigError(f"--init-from {args.init_from} is for --algorithm eagle3; a DFlash run resumes from "
+                          f"--out's checkpoint.pt instead.")
     if args.algorithm == "dflash":
         from .train.dflash import DFlashTrainConfig, run_training
 
@@ -127,7 +132,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         synth_prompts=args.synth_prompts, max_new_tokens=args.max_new_tokens, gen_temperature=args.gen_temperature, gen_max_num_seqs=args.gen_batch,
         max_len=args.max_len, draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
         ttt_steps=args.ttt_steps, batch_size=args.batch_size, lr=args.lr, max_steps=args.max_steps,
-        time_budget_s=args.time_budget, gen_time_budget_s=args.gen_time_budget, save_every=args.save_every, seed=args.seed)
+        time_budget_s=args.time_budget, gen_time_budget_s=args.gen_time_budget, save_every=args.save_every, seed=args.seed,
+        init_from=args.init_from)
     out = Eagle3Trainer(cfg).train()
     print(f"draft written to {out} (load it with --speculative-algorithm EAGLE3 --speculative-draft-model-path {out})")
     return 0
@@ -172,7 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--gen-time-budget", type=float, default=None,
                     help="stop generating new batches of responses after this many seconds")
     tr.add_argument("--max-len", type=int, default=512, help="tokens per training sequence")
-    tr.add_argument("--draft-vocab-size", type=int, default=4096)
+    tr.add_argument("--draft-vocab-size", type=int, default=4096,
+                    help="eagle3: draft vocabulary (most frequent response tokens); 0 = the full vocabulary "
+                         "through the target's frozen lm_head (none exported)")
+    tr.add_argument("--init-from", default=None, help="eagle3: warm-start from this exported draft directory")
     tr.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
     tr.add_argument("--ttt-steps", type=int, default=6, help="unrolled draft steps (training-time test)")
     tr.add_argument("--batch-size", type=int, default=32)

@@ -51,6 +51,21 @@ def test_a_matching_draft_loads(tmp_path, target):
     assert llm.engine.spec.drafter.aux_layer_ids == (0, 2, 4)
 
 
+def test_a_draft_without_a_head_uses_the_targets(tmp_path, target):
+    path, cfg = target
+    d = _draft(tmp_path, cfg, head_from_target=True)
+    assert "draft_vocab_size" not in json.loads((d / "config.json").read_text())
+    assert not {"lm_head.weight", "d2t", "t2d"} & set(load_file(str(d / "model.safetensors")))
+    model = _load(path, d).engine.spec.drafter.model
+    assert model.head_from_target and model.lm_head is None and not model.maps_vocab
+
+
+def test_a_draft_without_a_head_needs_the_full_vocabulary(tmp_path, target):
+    path, cfg = target
+    _expect(r"no lm_head\.weight, so the target's lm_head would be used, but draft_vocab_size=32 < vocab_size=64",
+            path, _draft(tmp_path, cfg, draft_vocab_size=32, edit_tensors=lambda t: t.pop("lm_head.weight")))
+
+
 def _expect(match, path, draft, **kw):
     with pytest.raises(ConfigError, match=match):
         _load(path, draft, **kw)

@@ -169,6 +169,18 @@ def test_qwen3_greedy_equals_plain(qwen3, kw):
         _check(llm, prompts, ref)
 
 
+@pytest.mark.parametrize("topk,n", [(1, None), (4, 8)], ids=["chain", "tree8"])
+def test_qwen3_greedy_with_a_draft_on_the_targets_head(qwen3, tmp_path, topk, n):
+    """An EAGLE-3 draft without its own lm_head drafts over the full vocabulary through the target's."""
+    base, _, prompts = qwen3
+    ref = [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY)]
+    draft = random_eagle3(tmp_path / "d", base.engine.model_config, std=0.3, head_from_target=True)
+    llm = spec_llm(base, max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft),
+                   speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
+    assert llm.engine.spec.drafter.model.head_from_target
+    _check(llm, prompts, ref)
+
+
 def test_ngram_lookup_takes_the_longest_latest_match():
     assert ngram_lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3) == [7, 5, 1]  # latest occurrence of [1 2 3]
     assert ngram_lookup([4, 1, 2, 8, 6, 2], 2, min_n=1, max_n=3) == [8, 6]  # falls back to a 1-gram

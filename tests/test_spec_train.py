@@ -13,27 +13,32 @@ import transformers
 from spec_utils import spec_llm
 from tercel import LLM, SamplingParams
 from tercel.train.data import Sample, target_features
-from tercel.train.eagle3 import Eagle3TrainConfig, Eagle3Trainer, choose_draft_vocab, ttt_loss
-from tercel.train.export import random_eagle3
+from tercel.models.eagle3 import EagleDraftConfig, EagleDraftModel, load_eagle_draft
+from tercel.train.eagle3 import Eagle3TrainConfig, Eagle3Trainer, choose_draft_vocab, ttt_loss, warm_start
+from tercel.train.export import eagle3_config_dict, random_eagle3
 
 transformers.logging.set_verbosity_error()
 
 
 def _ttt_logits(model, target, ids, steps):
-    """Per-step draft logits of the training-time test over one sequence."""
-    aux, _ = target_features(target, torch.tensor([ids]), tuple(sorted(model.config.aux_layer_ids)))
+    """Per-step draft logits of the training-time test over one sequence (every row a label, so
+    step j's logits are rows 0 .. len(ids) - 3 - j in order; `steps` filler tokens give the last rows
+    labels, and causal attention keeps them out of the rows before)."""
+    ids = ids + [0] * (steps + 1)
+    aux, final = target_features(target, torch.tensor([ids]), tuple(sorted(model.config.aux_layer_ids)))
     caught, orig = [], model.compute_logits
     model.compute_logits = lambda h: caught.append(orig(h)) or caught[-1]
     try:
-        vd = model.config.draft_vocab_size
-        ttt_loss(model, target.embed_tokens.weight, aux, torch.zeros(1, len(ids), vd), torch.tensor([ids]),
+        head = target.lm_head_weight[model.draft_to_target]
+        ttt_loss(model, target.embed_tokens.weight, aux, final, head, torch.tensor([ids]),
                  torch.ones(1, len(ids), dtype=torch.bool), steps)
     finally:
         model.compute_logits = orig
     return caught
 
 
-def test_training_time_test_matches_the_engines_draft(tmp_path):
+@pytest.mark.parametrize("head_from_target", [False, True], ids=["own-head", "target-head"])
+def test_training_time_test_matches_the_engines_draft(tmp_path, head_from_target):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -41,7 +46,7 @@ def test_training_time_test_matches_the_engines_draft(tmp_path):
     base = LLM(str(tmp_path / "t"), dtype="float32", device="cpu", skip_tokenizer_init=True, progress=False,
                max_model_len=64)
     draft = random_eagle3(tmp_path / "d", base.engine.model_config, draft_vocab_size=48, aux_layer_ids=(0, 2, 4),
-                          std=0.3)
+                          std=0.3, head_from_target=head_from_target)
     llm = spec_llm(base, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft),
                    speculative_num_steps=3)
     eng = llm.engine
@@ -51,14 +56,47 @@ def test_training_time_test_matches_the_engines_draft(tmp_path):
     req = next(iter(eng.requests.values()))
     model, target = eng.spec.drafter.model, eng.model
     seq = prompt + req.output_token_ids
-    step0 = _ttt_logits(model, target, seq, 1)[0][0, len(prompt) - 1]
+    step0 = _ttt_logits(model, target, seq, 1)[0][len(prompt) - 1]
     torch.testing.assert_close(req.spec_state.logits, step0, rtol=1e-4, atol=1e-4)
     caught, orig = [], model.compute_logits
     model.compute_logits = lambda h: caught.append(orig(h)) or caught[-1]
     tree = eng.spec.drafter.propose([req])[0]
     model.compute_logits = orig
-    step1 = _ttt_logits(model, target, seq + [tree.tokens[1]], 2)[1][0, len(prompt) - 1]
+    step1 = _ttt_logits(model, target, seq + [tree.tokens[1]], 2)[1][len(prompt) - 1]
     torch.testing.assert_close(caught[0][0, 0], step1, rtol=1e-4, atol=1e-4)
+
+
+def test_warm_start_with_a_wider_mlp_computes_what_the_old_draft_did(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "t")
+    tcfg = LLM(str(tmp_path / "t"), dtype="float32", device="cpu", skip_tokenizer_init=True, progress=False,
+               max_model_len=64).engine.model_config
+    old_dir = random_eagle3(tmp_path / "old", tcfg, aux_layer_ids=(0, 2, 4), std=0.3, intermediate_size=48)
+    old = load_eagle_draft(old_dir, tcfg, torch.float32, torch.device("cpu"), 64)
+    new_cfg = EagleDraftConfig.from_dict(eagle3_config_dict(tcfg, draft_vocab_size=None, aux_layer_ids=(0, 2, 4),
+                                                            intermediate_size=80), tcfg, "new")
+    new = EagleDraftModel(new_cfg, 64, torch.float32, has_embed=False, has_head=False)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.normal_()
+    warm_start(new, old_dir)
+    embed = torch.randn(96, 32)
+    for m in (old, new):
+        m.share_target(embed, embed)
+    n = 5
+    ids, hidden, pos = torch.randint(0, 96, (n,)), torch.randn(n, 96), torch.arange(n)
+
+    def attend(layer, q, k, v):  # causal attention over these rows
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                           enable_gqa=True)
+        return o.transpose(0, 1).reshape(n, -1)
+
+    torch.testing.assert_close(new(ids, hidden, pos, attend, from_target=True),
+                               old(ids, hidden, pos, attend, from_target=True))
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        warm_start(new, tmp_path)
 
 
 def test_draft_vocabulary_is_the_most_frequent_response_tokens():
@@ -82,3 +120,14 @@ def test_train_draft_writes_a_loadable_draft_and_resumes(tmp_path, smol_path, sm
     llm = spec_llm(smol_llm, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(out))
     out_ = llm.generate([[1, 9690, 198]], SamplingParams(max_tokens=4, temperature=0))[0]
     assert len(out_.outputs[0].token_ids) == 4
+    # the full vocabulary on the target's head, warm-started from the draft above with a wider MLP
+    wide = tmp_path / "wide"
+    (wide).mkdir()
+    (wide / "data.pt").write_bytes((out / "data.pt").read_bytes())
+    Eagle3Trainer(Eagle3TrainConfig(**dict(cfg, out=str(wide), draft_vocab_size=0, intermediate_size=96),
+                                    max_steps=1, init_from=str(out)), llm=smol_llm).train()
+    c = json.loads((wide / "config.json").read_text())
+    assert "draft_vocab_size" not in c and c["intermediate_size"] == 96
+    llm = spec_llm(smol_llm, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(wide))
+    assert llm.engine.spec.drafter.model.head_from_target
+    assert len(llm.generate([[1, 9690, 198]], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids) == 4

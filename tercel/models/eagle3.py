@@ -12,6 +12,8 @@ Checkpoint tensors (optionally prefixed with "model."):
   EAGLE-3: fc.weight, midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight,
            midlayer.self_attn.{q,k,v,o}_proj.weight, midlayer.mlp.{gate,up,down}_proj.weight,
            norm.weight, lm_head.weight (absent when tie_word_embeddings), d2t, t2d, [embed_tokens.weight]
+           A checkpoint without lm_head.weight (and no d2t) whose config omits draft_vocab_size uses the
+           TARGET's lm_head over the full vocabulary, as SGLang's load_lm_head_from_target does.
   EAGLE:   fc.weight, fc.bias, layers.N.{self_attn,mlp,post_attention_layernorm,input_layernorm (N>0)}.*,
            [embed_tokens.weight], [lm_head.weight: ignored, the target's head is used]
 Layer ids follow the convention of tercel.models.llama: id L is the OUTPUT of target layer L.
@@ -130,7 +132,9 @@ class EagleDraftModel(nn.Module):
     returns the pre-norm hidden states; compute_logits gives draft-vocabulary logits; draft_to_target
     maps draft ids to target ids (None: the draft vocabulary is the target's)."""
 
-    def __init__(self, cfg: EagleDraftConfig, max_positions: int, dtype: torch.dtype, has_embed: bool) -> None:
+    def __init__(self, cfg: EagleDraftConfig, max_positions: int, dtype: torch.dtype, has_embed: bool,
+                 has_head: bool = True) -> None:
+        """has_head=False (EAGLE-3, untied): logits come from the target's lm_head (share_target)."""
         super().__init__()
         self.config = cfg
         lc = cfg.layers
@@ -138,11 +142,15 @@ class EagleDraftModel(nn.Module):
         self.embed_tokens = nn.Embedding(lc.vocab_size, lc.hidden_size) if has_embed else None
         self._target_embed: torch.Tensor | None = None
         self._target_head: torch.Tensor | None = None
+        self._target_head_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.head_from_target = False
         if cfg.kind == "eagle3":
             self.fc = Linear(cfg.fc_in, lc.hidden_size, bias=False)
             self.midlayer = Eagle3Layer(lc)
             self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
-            self.lm_head = None if cfg.tie_word_embeddings else Linear(lc.hidden_size, cfg.draft_vocab_size, bias=False)
+            own_head = has_head and not cfg.tie_word_embeddings
+            self.lm_head = Linear(lc.hidden_size, cfg.draft_vocab_size, bias=False) if own_head else None
+            self.head_from_target = not has_head and not cfg.tie_word_embeddings
         else:
             from .llama import DecoderLayer
 
@@ -164,10 +172,15 @@ class EagleDraftModel(nn.Module):
         lc = self.config.layers
         return KVCacheSpec(self.num_layers, lc.num_kv_heads, lc.head_dim, block_size, dtype)
 
-    def share_target(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
-        """Use the target's embedding (when the checkpoint has none) and, for EAGLE, its lm_head."""
-        self._target_embed = embed
-        self._target_head = lm_head
+    def share_target(self, embed: torch.Tensor, lm_head: torch.Tensor,
+                     head_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Use the target's embedding (when the checkpoint has none) and, for EAGLE and head-less EAGLE-3,
+        its lm_head; head_fn (normed hidden -> float logits, e.g. the target's compute_logits) takes
+        the target's tuned head kernel."""
+        # detached: a Parameter assigned to a module would become one of the draft's parameters
+        self._target_embed = embed.detach()
+        self._target_head = lm_head.detach()
+        self._target_head_fn = head_fn
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
@@ -198,6 +211,10 @@ class EagleDraftModel(nn.Module):
             return F.linear(h, self._target_head).float()
         if self.lm_head is not None:
             return self.lm_head(self.norm(h)).float()
+        if self.head_from_target:
+            if self._target_head_fn is not None:
+                return self._target_head_fn(self.norm(h))
+            return F.linear(self.norm(h), self._target_head).float()
         head = self.embed_tokens.weight if self.embed_tokens is not None else self._target_embed
         return F.linear(self.norm(h), head).float()
 
@@ -288,6 +305,18 @@ def read_draft_config(path: str | Path, target: ModelConfig) -> EagleDraftConfig
     return EagleDraftConfig.from_dict(hf.hf_config(path), target, str(path / "config.json"))
 
 
+def _has_head(cfg: EagleDraftConfig, names: set[str], path: Path) -> bool:
+    """Whether an EAGLE-3 checkpoint brings its own lm_head; without one (and untied) the target's
+    head serves, which needs the full vocabulary."""
+    if cfg.kind != "eagle3" or cfg.tie_word_embeddings or "lm_head.weight" in names:
+        return True
+    if cfg.draft_vocab_size != cfg.layers.vocab_size:
+        raise ConfigError(f"{path}: no lm_head.weight, so the target's lm_head would be used, but "
+                          f"draft_vocab_size={cfg.draft_vocab_size} < vocab_size={cfg.layers.vocab_size}; add the "
+                          f"draft's lm_head.weight or drop draft_vocab_size from config.json.")
+    return False
+
+
 def load_eagle_draft(path: str | Path, target: ModelConfig, dtype: torch.dtype, device: torch.device,
                      max_positions: int) -> EagleDraftModel:
     """Load an EAGLE-3 or EAGLE draft directory (config.json + safetensors, never pickles) for `target`."""
@@ -303,7 +332,8 @@ def load_eagle_draft(path: str | Path, target: ModelConfig, dtype: torch.dtype, 
         with safe_open(str(f), framework="pt") as st:
             names.update(n.removeprefix("model.") for n in st.keys())
     with torch.device("meta"):
-        model = EagleDraftModel(cfg, max_positions, dtype, has_embed="embed_tokens.weight" in names)
+        model = EagleDraftModel(cfg, max_positions, dtype, has_embed="embed_tokens.weight" in names,
+                                has_head=_has_head(cfg, names, path))
     model = model.to(dtype).to_empty(device=device)
     model.rope = RotaryEmbedding(cfg.layers, max_positions, dtype).to(device)
     model.draft_to_target = torch.arange(cfg.draft_vocab_size, device=device)

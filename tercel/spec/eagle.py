@@ -95,7 +95,7 @@ class EagleDrafter(Drafter):
         self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
         self.aux_layer_ids = model.config.aux_layer_ids
         target = engine.model
-        model.share_target(target.embed_tokens.weight, target.lm_head_weight)
+        model.share_target(target.embed_tokens.weight, target.lm_head_weight, target.compute_logits)
         self.kv = PagedKVCache(model.kv_spec(engine.kv.block_size, engine.dtype), engine.kv.num_blocks, engine.device)
         self.scale = model.config.layers.head_dim ** -0.5
         self.vocab_size = engine.model_config.vocab_size

@@ -180,7 +180,10 @@ def synth_user_prompts(llm, n: int, seed: int = 0, max_tokens: int = 96, tempera
             break
         params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed + w + i)
                   for i in range(min(wave, tries - w))]
-        for o in llm.generate([prefix] * len(params), params, use_tqdm=False):
+        outs = llm.generate([prefix] * len(params), params, use_tqdm=False)
+        log.info("synthetic prompts: wave of %d, %d tokens, %.0f s in, %d kept so far", len(outs),
+                 sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - start, len(out))
+        for o in outs:
             text = o.outputs[0].text.strip()
             if o.outputs[0].finish_reason == "stop" and 10 <= len(text) <= 600 and text not in held_out \
                     and text not in seen:
@@ -190,13 +193,16 @@ def synth_user_prompts(llm, n: int, seed: int = 0, max_tokens: int = 96, tempera
 
 
 def make_dataset(llm, num_prompts: int, synth_prompts: int, max_new_tokens: int, temperature: float = 0.0,
-                 seed: int = 0, wave: int = 4096, time_budget_s: float | None = None) -> list[Sample]:
+                 seed: int = 0, wave: int = 4096, time_budget_s: float | None = None,
+                 synth_share: float = 0.2) -> list[Sample]:
     """The self-distillation dataset: num_prompts offline prompts plus synth_prompts the target wrote,
-    shuffled together, answered by the target. time_budget_s bounds the whole job (a fifth of it at
-    most goes to writing prompts)."""
+    shuffled together, answered by the target. time_budget_s bounds the whole job (synth_share of it
+    at most goes to writing prompts)."""
+    if not 0.0 < synth_share < 1.0:
+        raise ValueError(f"synth_share={synth_share} must be in (0, 1): the share of the time budget for writing prompts.")
     start = time.perf_counter()
     synth = synth_user_prompts(llm, synth_prompts, seed, wave=wave,
-                               time_budget_s=None if time_budget_s is None else time_budget_s / 5)
+                               time_budget_s=None if time_budget_s is None else time_budget_s * synth_share)
     prompts = build_prompts(num_prompts, seed) + synth
     random.Random(seed).shuffle(prompts)
     left = None if time_budget_s is None else max(1.0, time_budget_s - (time.perf_counter() - start))
@@ -231,6 +237,8 @@ def generate_responses(llm, prompts: list[str], max_new_tokens: int, temperature
                       for i in range(len(chunk))]
             outs = llm.generate(chunk, params, use_tqdm=use_tqdm)
             samples += [Sample(p, o.outputs[0].token_ids) for p, o in zip(chunk, outs)]
+            log.info("responses: %d of %d prompts, %d response tokens, %.0f s", len(samples), len(ids),
+                     sum(len(s.response) for s in samples), time.perf_counter() - start)
     finally:
         engine.tokenizer = saved
     return samples

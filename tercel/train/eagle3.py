@@ -2,7 +2,11 @@
 
 Data: the target answers offline prompts (tercel.train.data); the draft learns the target's own
 next-token distributions (soft labels over the draft vocabulary) on the response tokens.
-Draft vocabulary: the draft_vocab_size most frequent response tokens (d2t / t2d in the export).
+Draft vocabulary: the draft_vocab_size most frequent response tokens (d2t / t2d in the export), or
+with draft_vocab_size=0 the full vocabulary through the target's own lm_head, frozen and left out of
+the export (SGLang's load_lm_head_from_target): every token can be drafted and the draft stays small.
+init_from warm-starts from an exported draft: overlapping slices of every tensor are copied, and a
+wider MLP's extra units start with zero down_proj columns, so the warm start computes what it did.
 
 TTT unrolls `ttt_steps` draft steps as in decoding. Row i at step 0 pairs token x[i+1] with the
 target's hidden state at i (through fc) and predicts x[i+2]. At step j the same row takes token
@@ -51,7 +55,7 @@ class Eagle3TrainConfig:
     gen_max_num_seqs: int = 512
     gen_time_budget_s: float | None = None  # stop starting generation waves after this many seconds
     max_len: int = 512  # prompt + response tokens per training sequence
-    draft_vocab_size: int = 4096
+    draft_vocab_size: int = 4096  # 0: the full vocabulary through the target's frozen lm_head
     intermediate_size: int | None = None  # draft MLP width (default: the target's)
     aux_layer_ids: tuple[int, ...] | None = None  # default: SGLang's low / mid / high
     ttt_steps: int = 6
@@ -63,6 +67,7 @@ class Eagle3TrainConfig:
     save_every: int = 200
     seed: int = 0
     export_dtype: str = "bfloat16"
+    init_from: str | None = None  # an exported EAGLE-3 draft directory to warm-start from
     extra: dict = field(default_factory=dict)
 
 
@@ -76,20 +81,65 @@ def choose_draft_vocab(samples: list[Sample], size: int, vocab_size: int, always
     return torch.tensor(sorted(ids), dtype=torch.long)
 
 
+@torch.no_grad()
+def warm_start(model: EagleDraftModel, path: str | Path) -> None:
+    """Copy an exported EAGLE-3 draft's tensors into `model` (overlapping slices where shapes differ).
+    A wider MLP keeps the old units and zeroes down_proj's new columns, so it starts as the old draft;
+    a head of another vocabulary is not copied (d2t / t2d are the new model's)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"init_from={str(path)!r}: no *.safetensors there (an exported EAGLE-3 draft directory).")
+    src: dict[str, torch.Tensor] = {}
+    for f in files:
+        src.update({k.removeprefix("model."): v for k, v in load_file(str(f)).items()})
+    for key in ("midlayer.self_attn.q_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.down_proj.weight"):
+        if key not in src:
+            raise ValueError(f"init_from={str(path)!r}: {key} is missing; not an EAGLE-3 draft.")
+    at, mlp = model.midlayer.self_attn, model.midlayer.mlp
+    mlp.down_proj.weight[:, src["midlayer.mlp.down_proj.weight"].shape[1]:] = 0
+    pieces = {  # fused parameter -> its checkpoint tensors, as views of the parameter
+        "midlayer.self_attn.qkv_proj.weight": zip(("q_proj", "k_proj", "v_proj"),
+                                                  at.qkv_proj.weight.split([at.q_size, at.kv_size, at.kv_size])),
+        "midlayer.mlp.gate_up_proj.weight": zip(("gate_proj", "up_proj"), mlp.gate_up_proj.weight.chunk(2)),
+    }
+    for name, p in model.named_parameters():
+        if name.startswith("lm_head"):
+            continue
+        sub = name.rsplit(".", 2)[0]  # midlayer.self_attn / midlayer.mlp
+        pairs = [(src[f"{sub}.{piece}.weight"], view) for piece, view in pieces[name]] if name in pieces else \
+            [(src[name], p)] if name in src else []
+        for t, dst in pairs:
+            if t.dim() != dst.dim():
+                raise ValueError(f"init_from={str(path)!r}: {name} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}.")
+            sl = tuple(slice(0, min(a, b)) for a, b in zip(dst.shape, t.shape))
+            dst[sl] = t[sl].to(dst)
+    log.info("warm start from %s", path)
+
+
 def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
     return x if group == 1 else x.repeat_interleave(group, dim=1)
 
 
-def ttt_loss(model: EagleDraftModel, embed: torch.Tensor, aux: torch.Tensor, target_probs: torch.Tensor,
-             ids: torch.Tensor, label_mask: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[float]]:
-    """aux: [B, T, fc_in] target aux states; target_probs: [B, T, Vd] target distribution predicting
-    token t + 1 at row t; label_mask: [B, T] rows whose token is a trainable label. Returns the
-    weighted loss and per-step top-1 accuracy."""
+def ttt_loss(model: EagleDraftModel, embed: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
+             head_rows: torch.Tensor, ids: torch.Tensor, label_mask: torch.Tensor,
+             steps: int) -> tuple[torch.Tensor, list[float]]:
+    """aux: [B, T, fc_in] target aux states; final: [B, T, H] the target's final normed hidden, whose
+    logits over head_rows ([Vd, H], the draft vocabulary's rows of the target head) give the target
+    distribution predicting token t + 1 at row t; label_mask: [B, T] rows whose token is a trainable
+    label. Logits are computed only on rows that carry a label (with a full-vocabulary draft the
+    dense [B, T, V] tensors would not fit). Returns the weighted loss and per-step top-1 accuracy."""
     b, t = ids.shape
     layer, at = model.midlayer, model.midlayer.self_attn
     hq, hkv, d = at.num_heads, at.num_kv_heads, at.head_dim
     scale = d ** -0.5
     causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
+    # target distributions, once, on the rows some step learns from (row r predicts label x[r + 1])
+    need = F.pad(label_mask[:, 1:], (0, 1)).flatten()
+    where = torch.cumsum(need, 0) - 1
+    with torch.no_grad():
+        target_probs = F.linear(final.flatten(0, 1)[need], head_rows).float().softmax(-1)  # [N, Vd]
     h = model.fc(aux)
     k0 = v0 = None
     diag_k: list[torch.Tensor] = []
@@ -119,14 +169,15 @@ def ttt_loss(model: EagleDraftModel, embed: torch.Tensor, aux: torch.Tensor, tar
             o = w[..., :t] @ v0 + (w[..., t:, None] * torch.stack(diag_v, dim=-2)).sum(-2)
         h = h + at.o_proj(o.transpose(1, 2).reshape(b, t, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits = model.compute_logits(h)  # [B, T, Vd] float32
-        tgt = F.pad(target_probs[:, 1 + j:], (0, 0, 0, 1 + j))  # row i: target at i + 1 + j
-        mask = F.pad(label_mask[:, 2 + j:], (0, 2 + j))  # row i: label token x[i + 2 + j]
-        n = mask.sum().clamp_min(1)
+        # row i learns label x[i + 2 + j] from the target's distribution at row i + 1 + j
+        rows = F.pad(label_mask[:, 2 + j:], (0, 2 + j)).flatten().nonzero().squeeze(1)
+        logits = model.compute_logits(h.flatten(0, 1)[rows])  # [n, Vd] float32
+        tgt = target_probs[where[rows + 1 + j]]
+        n = max(1, rows.numel())
         ce = -(tgt * logits.log_softmax(-1)).sum(-1)
-        total = total + (0.8 ** j) * (ce * mask).sum() / n
+        total = total + (0.8 ** j) * ce.sum() / n
         with torch.no_grad():
-            accs.append(float(((logits.argmax(-1) == tgt.argmax(-1)) & mask).sum() / n))
+            accs.append(float((logits.argmax(-1) == tgt.argmax(-1)).sum() / n))
     return total, accs
 
 
@@ -166,22 +217,28 @@ class Eagle3Trainer:
         cfg, target = self.cfg, llm.engine.model
         tcfg = llm.engine.model_config
         ids = cfg.aux_layer_ids or default_eagle3_layer_ids(tcfg.num_layers)
-        self.config_dict = eagle3_config_dict(tcfg, draft_vocab_size=len(draft_ids), aux_layer_ids=tuple(ids),
-                                              intermediate_size=cfg.intermediate_size)
+        head_from_target = cfg.draft_vocab_size == 0
+        self.config_dict = eagle3_config_dict(tcfg, draft_vocab_size=None if head_from_target else len(draft_ids),
+                                              aux_layer_ids=tuple(ids), intermediate_size=cfg.intermediate_size)
         dcfg = EagleDraftConfig.from_dict(self.config_dict, tcfg, "train")
         g = torch.Generator().manual_seed(cfg.seed)
-        model = EagleDraftModel(dcfg, cfg.max_len + cfg.ttt_steps + 8, torch.float32, has_embed=False)
+        model = EagleDraftModel(dcfg, cfg.max_len + cfg.ttt_steps + 8, torch.float32, has_embed=False,
+                                has_head=not head_from_target)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if p.dim() == 1:
                     p.fill_(1.0)
                 else:
                     p.copy_(0.02 * torch.randn(p.shape, generator=g))
-            # the head starts as the target's head restricted to the draft vocabulary
-            model.lm_head.weight.copy_(target.lm_head_weight[draft_ids.to(target.lm_head_weight.device)].float().cpu())
+            if model.lm_head is not None:  # the head starts as the target's head restricted to the draft vocabulary
+                model.lm_head.weight.copy_(target.lm_head_weight[draft_ids.to(target.lm_head_weight.device)].float().cpu())
             model.norm.weight.copy_(target.norm.weight.float().cpu())
+            if cfg.init_from:
+                warm_start(model, cfg.init_from)
         model.draft_to_target = draft_ids.clone()
-        return model.to(llm.engine.device)
+        model = model.to(llm.engine.device)
+        model.share_target(target.embed_tokens.weight, target.lm_head_weight)
+        return model
 
     @torch.no_grad()
     def init_fc(self, model: EagleDraftModel, aux: torch.Tensor) -> None:
@@ -205,7 +262,15 @@ class Eagle3Trainer:
         if not samples:
             raise ValueError("no usable training samples were generated.")
         tcfg = eng.model_config
-        draft_ids = choose_draft_vocab(samples, cfg.draft_vocab_size, tcfg.vocab_size, tuple(eng.eos_token_ids))
+        if not 0 <= cfg.draft_vocab_size <= tcfg.vocab_size:
+            from ..config import ConfigError
+
+            raise ConfigError(f"draft_vocab_size={cfg.draft_vocab_size} must be in 0..{tcfg.vocab_size} (0: the "
+                              f"full vocabulary through the target's lm_head).")
+        if cfg.draft_vocab_size == 0:
+            draft_ids = torch.arange(tcfg.vocab_size)
+        else:
+            draft_ids = choose_draft_vocab(samples, cfg.draft_vocab_size, tcfg.vocab_size, tuple(eng.eos_token_ids))
         model = self.build_draft(llm, draft_ids)
         target = eng.model
         embed = target.embed_tokens.weight
@@ -247,13 +312,12 @@ class Eagle3Trainer:
             ids, valid, resp = ids.to(dev), valid.to(dev), resp.to(dev)
             with torch.no_grad(), amp:
                 aux, final = target_features(target, ids, layer_ids)
-                probs = F.linear(final, head_rows).float().softmax(-1)
-            if step == 0:
+            if step == 0 and not cfg.init_from:
                 self.init_fc(model, aux[valid])
             label_mask = resp & valid & in_vocab[ids]
             with amp:
-                loss, accs = ttt_loss(model, embed, aux.float() if dev.type != "cuda" else aux, probs, ids,
-                                      label_mask, cfg.ttt_steps)
+                loss, accs = ttt_loss(model, embed, aux.float() if dev.type != "cuda" else aux, final, head_rows,
+                                      ids, label_mask, cfg.ttt_steps)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -281,7 +345,8 @@ class Eagle3Trainer:
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[self.cfg.export_dtype]
         meta = {"trained_by": "tercel train-draft", "steps": str(step), "draft_vocab_coverage": f"{coverage:.4f}",
                 "num_samples": str(num_samples)}
-        save_eagle3(self.out, self.config_dict, eagle3_tensors(model, draft_ids, vocab_size, dtype), meta)
+        vocab_map = None if model.head_from_target else draft_ids
+        save_eagle3(self.out, self.config_dict, eagle3_tensors(model, vocab_map, vocab_size, dtype), meta)
         (self.out / "train_log.json").write_text(json.dumps(
             {"config": {k: v for k, v in asdict(self.cfg).items()}, "steps": step, "coverage": coverage,
              "num_samples": num_samples, "history": history}, indent=1, default=str))

@@ -12,7 +12,7 @@ import torch
 from ..config import ModelConfig
 
 
-def eagle3_config_dict(target: ModelConfig, *, draft_vocab_size: int, aux_layer_ids: tuple[int, ...],
+def eagle3_config_dict(target: ModelConfig, *, draft_vocab_size: int | None, aux_layer_ids: tuple[int, ...],
                        intermediate_size: int | None = None, num_heads: int | None = None,
                        num_kv_heads: int | None = None, max_position_embeddings: int | None = None) -> dict[str, Any]:
     heads = num_heads or target.num_heads
@@ -35,14 +35,17 @@ def eagle3_config_dict(target: ModelConfig, *, draft_vocab_size: int, aux_layer_
         "tie_word_embeddings": False,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True},
     }
+    if draft_vocab_size is None:  # the full vocabulary through the target's lm_head (none exported)
+        del d["draft_vocab_size"]
     if target.rope_scaling:
         d["rope_scaling"] = dict(target.rope_scaling)
     return d
 
 
-def eagle3_tensors(model: torch.nn.Module, draft_ids: torch.Tensor, vocab_size: int,
+def eagle3_tensors(model: torch.nn.Module, draft_ids: torch.Tensor | None, vocab_size: int,
                    dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors of an EagleDraftModel (kind eagle3); draft_ids: [Vd] target id of each draft id."""
+    """Checkpoint tensors of an EagleDraftModel (kind eagle3); draft_ids: [Vd] target id of each draft
+    id, or None for a draft over the full vocabulary (no d2t / t2d)."""
     lc = model.config.layers
     q, kvs = lc.num_heads * lc.head_dim, lc.num_kv_heads * lc.head_dim
     out: dict[str, torch.Tensor] = {}
@@ -58,6 +61,8 @@ def eagle3_tensors(model: torch.nn.Module, draft_ids: torch.Tensor, vocab_size: 
                 out[name.replace("gate_up_proj", piece)] = chunk.contiguous()
         else:
             out[name] = t.contiguous()
+    if draft_ids is None:
+        return out
     draft_ids = draft_ids.to("cpu", torch.long)
     out["d2t"] = draft_ids - torch.arange(draft_ids.numel())
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
@@ -79,16 +84,18 @@ def save_eagle3(out_dir: str | Path, config: dict[str, Any], tensors: dict[str, 
 
 def random_eagle3(out_dir: str | Path, target: ModelConfig, *, draft_vocab_size: int | None = None,
                   aux_layer_ids: tuple[int, ...] | None = None, seed: int = 0, std: float = 0.02,
-                  intermediate_size: int | None = None, dtype: torch.dtype = torch.float32) -> Path:
-    """A random-weight EAGLE-3 draft for `target` (tests: losslessness must not depend on the weights)."""
+                  intermediate_size: int | None = None, dtype: torch.dtype = torch.float32,
+                  head_from_target: bool = False) -> Path:
+    """A random-weight EAGLE-3 draft for `target` (tests: losslessness must not depend on the weights).
+    head_from_target: no lm_head / d2t exported, the target's head serves the full vocabulary."""
     from ..models.eagle3 import EagleDraftConfig, EagleDraftModel, default_eagle3_layer_ids
 
-    vd = draft_vocab_size or target.vocab_size
+    vd = target.vocab_size if head_from_target else draft_vocab_size or target.vocab_size
     ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_eagle3_layer_ids(target.num_layers)
-    cfg_dict = eagle3_config_dict(target, draft_vocab_size=vd, aux_layer_ids=ids,
+    cfg_dict = eagle3_config_dict(target, draft_vocab_size=None if head_from_target else vd, aux_layer_ids=ids,
                                   intermediate_size=intermediate_size)
     cfg = EagleDraftConfig.from_dict(cfg_dict, target, "random")
-    model = EagleDraftModel(cfg, 16, torch.float32, has_embed=False)
+    model = EagleDraftModel(cfg, 16, torch.float32, has_embed=False, has_head=not head_from_target)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -96,5 +103,5 @@ def random_eagle3(out_dir: str | Path, target: ModelConfig, *, draft_vocab_size:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(std * torch.randn(p.shape, generator=g))
-    draft_ids = torch.randperm(target.vocab_size, generator=g)[:vd].sort().values
+    draft_ids = None if head_from_target else torch.randperm(target.vocab_size, generator=g)[:vd].sort().values
     return save_eagle3(out_dir, cfg_dict, eagle3_tensors(model, draft_ids, target.vocab_size, dtype))
