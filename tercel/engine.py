@@ -6,10 +6,9 @@ Multi-step decode (num_scheduler_steps = N > 1, vLLM's idea): when every running
 and needs no host data per step (no penalties, logprobs or pending min_tokens), one step runs up to
 N forwards back to back with no host sync between them. The token chosen at forward s stays on the
 device and is the input of forward s+1; positions, KV slots, seq lens and block tables of all N
-forwards are known up front (the scheduler reserves the slots) and go up in one upload. Each
-forward's tokens come back to pinned memory behind an event, and the host appends them with the
-usual stop checks while the later forwards run, so outputs equal single-step decoding, delivered in
-bursts, and only the last forward's host work is not hidden behind the GPU. (A request that stops on EOS / a stop string
+forwards are known up front (the scheduler reserves the slots) and go up in one upload. One sync at
+the end brings the N x B tokens back; they are appended one by one with the usual stop checks, so
+outputs equal single-step decoding, delivered in bursts. (A request that stops on EOS / a stop string
 inside a window keeps its row until the window ends: the batch is then one row larger than a single
 step's, which bf16 GEMMs on a GPU may round differently, like bucket padding.)
 """
@@ -330,39 +329,25 @@ class LLMEngine:
         reqs = [s.request for s in scheduled]
         window = self._build_window(reqs, num_steps)
         sampled_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        cuda = self.device.type == "cuda"
-        # each forward's tokens go to pinned host memory behind an event, so the host appends step s's
-        # tokens (stop checks, detokenization) while the GPU runs the forwards after it
-        host = torch.empty((num_steps, len(reqs)), dtype=torch.long, pin_memory=True) if cuda else None
-        ready: list[torch.cuda.Event | torch.Tensor] = []
         ids = window.first_ids
+        step_tokens: list[torch.Tensor] = []
         for step in range(num_steps):
             out = self.run_model(window.batch(step, ids))
             # choose before the next replay overwrites the graph's logits; the same ops as Sampler.sample
             ids = out.logits.argmax(-1)
             if sampled_rows:
                 ids[sampled_rows] = sample_batch(out.logits[sampled_rows], [reqs[i] for i in sampled_rows])
-            if cuda:
-                host[step].copy_(ids, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record()
-                ready.append(ev)
-            else:
-                ready.append(ids)
-        for r in reqs:
+            step_tokens.append(ids)
+        tokens = torch.stack(step_tokens).tolist()  # the window's one device -> host sync
+        outputs = []
+        for i, r in enumerate(reqs):
             r.num_computed_tokens += num_steps
-        live = list(range(len(reqs)))
-        for step in range(num_steps):
-            if cuda:
-                ready[step].synchronize()
-                row = host[step].tolist()
-            else:
-                row = ready[step].tolist()
-            for i in live:
-                self._append_token(reqs[i], row[i], None)
-            # a finished request's rest of the window is discarded; its blocks are freed
-            live = [i for i in live if reqs[i].finish_reason is None]
-        return [self._make_output(r) for r in reqs]
+            for step in range(num_steps):
+                self._append_token(r, tokens[step][i], None)
+                if r.finish_reason is not None:  # the rest of its window is discarded; its blocks are freed
+                    break
+            outputs.append(self._make_output(r))
+        return outputs
 
     def run_model(self, batch: ForwardBatch) -> ModelOutput:
         """The target forward: a CUDA-graph replay when the runner can serve the batch, else eager."""
