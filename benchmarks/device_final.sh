@@ -5,7 +5,7 @@
 #   2. alone: the Llama-8B-shape decode benchmark, multi-step N = $STEPS (default 32) -> gpu_decode_llama8b.json
 # TERCEL_COMMIT names the commit in the result files.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD TERCEL_RESULTS_DIR=$OUT
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD TERCEL_RESULTS_DIR=$OUT TERCEL_SMOL_GGUF=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
 T0=$(date +%s)
 el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 M=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
