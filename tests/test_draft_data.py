@@ -19,6 +19,7 @@ def test_user_turn_prefix_is_everything_before_the_users_text(smol_llm):
 class _Completion:
     text: str
     finish_reason: str
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -36,7 +37,7 @@ class _FakeLLM:
     def generate(self, prompts, params, use_tqdm=False):
         self.calls.append((prompts, params))
         got, self.canned = self.canned[:len(prompts)], self.canned[len(prompts):]
-        return [_Out([_Completion(t, f)]) for t, f in got]
+        return [_Out([_Completion(t, f, self.tokenizer.encode(t))]) for t, f in got]
 
 
 def test_synth_prompts_keep_only_finished_distinct_non_eval_texts(smol_llm):
