@@ -72,6 +72,23 @@ def _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stri
 
 
 @triton.jit
+def _store_split(m_i, l_i, acc, O, PO, PL, b, heads, gm, d, split, stride_ob, stride_oh, stride_pob, stride_poh,
+                 stride_pos, stride_plb, stride_plh, NUM_SPLITS: tl.constexpr):
+    """A split's normalised output: straight to O when it is the only split, else its partial output
+    and log-sum-exp (base 2) for the merge."""
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(O + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
+                 mask=gm[:, None])
+    else:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(PO + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + d[None, :], out,
+                 mask=gm[:, None])
+        tl.store(PL + b * stride_plb + heads * stride_plh + split, lse, mask=gm)
+
+
+@triton.jit
 def _decode_split_kernel(Q, KC, VC, BT, SL, O, PO, PL, PF, pf_bytes,
                          stride_qb, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
                          stride_ob, stride_oh, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
@@ -97,16 +114,8 @@ def _decode_split_kernel(Q, KC, VC, BT, SL, O, PO, PL, PF, pf_bytes,
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
     m_i, l_i, acc = _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stride_vcs, stride_vch,
                                  stride_bt, qk_scale, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, IEEE)
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
-        tl.store(O + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
-                 mask=gm[:, None])
-    else:
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(PO + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + d[None, :], out,
-                 mask=gm[:, None])
-        tl.store(PL + b * stride_plb + heads * stride_plh + split, lse, mask=gm)
+    _store_split(m_i, l_i, acc, O, PO, PL, b, heads, gm, d, split, stride_ob, stride_oh, stride_pob, stride_poh,
+                 stride_pos, stride_plb, stride_plh, NUM_SPLITS)
 
 
 @triton.jit
@@ -324,16 +333,8 @@ def _decode_rope_kernel(QK, V, COS, SIN, LOC, KC, VC, BT, SL, O, PO, PL, CNT, PF
     q = (x.to(tl.float32) * c[None, :] + sign[None, :] * xp * sn[None, :]).to(x.dtype)
     m_i, l_i, acc = _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stride_vcs, stride_vch,
                                  stride_bt, qk_scale, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, IEEE)
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
-        tl.store(O + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
-                 mask=gm[:, None])
-    else:
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(PO + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + d[None, :], out,
-                 mask=gm[:, None])
-        tl.store(PL + b * stride_plb + heads * stride_plh + split, lse, mask=gm)
+    _store_split(m_i, l_i, acc, O, PO, PL, b, heads, gm, d, split, stride_ob, stride_oh, stride_pob, stride_poh,
+                 stride_pos, stride_plb, stride_plh, NUM_SPLITS)
     if NUM_SPLITS > 1 and MERGE:
         # the last split of this (request, KV head) to arrive merges them all (no second launch): every
         # thread's partials are stored before the release, and read (past L1) after the acquire

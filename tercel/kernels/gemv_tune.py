@@ -66,23 +66,32 @@ def _graph_time(fn, replays: int = 5) -> float:
     return start.elapsed_time(end) / replays / 1e3
 
 
+def _fastest(run, want: torch.Tensor, weights: list[torch.Tensor], candidates,
+             what: str) -> tuple[float, GemvConfig] | None:
+    """(seconds per graph of `weights`, config) of the fastest candidate whose run(weights[0], c) is
+    within 1e-2 of `want` (relative norm), or None when none compiles and agrees."""
+    best: tuple[float, GemvConfig] | None = None
+    for c in candidates:
+        try:
+            err = float((run(weights[0], c).float() - want).norm() / want.norm().clamp_min(1e-6))
+            if err > 1e-2:
+                log.debug("%s %s: error %.2e", what, c, err)
+                continue
+            t = _graph_time(lambda: [run(w, c) for w in weights])
+        except Exception as e:  # a config this GPU cannot compile or fit
+            log.debug("%s config %s failed: %s", what, c, e)
+            continue
+        if best is None or t < best[0]:
+            best = (t, c)
+    return best
+
+
 def tune_shape(weights: list[torch.Tensor], candidates=CANDIDATES) -> GemvChoice:
     n, k = weights[0].shape
     x = torch.randn(1, k, device=weights[0].device, dtype=weights[0].dtype)
     t_cublas = _graph_time(lambda: [F.linear(x, w) for w in weights])
     ref = F.linear(x, weights[0]).float()
-    best: tuple[float, GemvConfig] | None = None
-    for c in candidates:
-        try:
-            err = float((gemv(x, weights[0], c).float() - ref).norm() / ref.norm().clamp_min(1e-6))
-            if err > 1e-2:
-                continue
-            t = _graph_time(lambda: [gemv(x, w, c) for w in weights])
-        except Exception as e:  # a config this GPU cannot compile or fit
-            log.debug("gemv config %s failed for %s: %s", c, (n, k), e)
-            continue
-        if best is None or t < best[0]:
-            best = (t, c)
+    best = _fastest(lambda w, c: gemv(x, w, c), ref, weights, candidates, f"gemv {(n, k)}")
     per = 1e6 / len(weights)
     keep = best is not None and best[0] < MIN_GAIN * t_cublas
     return GemvChoice((n, k), len(weights), round(t_cublas * per, 2), round(best[0] * per, 2) if best else None,
@@ -120,21 +129,9 @@ def tune_role(role: str, weights: list[torch.Tensor], plain: GemvConfig | None,
         fused = lambda w, c: gemv(x, w, c, silu=True, residual=r)  # noqa: E731
         want = (r.float() + F.linear(silu_mul(x), weights[0]).float())
     t_ref = _graph_time(lambda: [ref(w) for w in weights])
-    best: tuple[float, GemvConfig] | None = None
-    for c in candidates:
-        if c.split_k > 1 and n >= 16384:  # plenty of row programs already
-            continue
-        try:
-            err = float((fused(weights[0], c).float() - want).norm() / want.norm().clamp_min(1e-6))
-            if err > 1e-2:
-                log.debug("fused gemv %s %s: error %.2e", role, c, err)
-                continue
-            t = _graph_time(lambda: [fused(w, c) for w in weights])
-        except Exception as e:  # a config this GPU cannot compile or fit
-            log.debug("fused gemv config %s failed for %s: %s", c, role, e)
-            continue
-        if best is None or t < best[0]:
-            best = (t, c)
+    # with 16384+ rows there are plenty of row programs already: no split-K
+    fit = [c for c in candidates if not (c.split_k > 1 and n >= 16384)]
+    best = _fastest(fused, want, weights, fit, f"fused gemv {role}")
     per = 1e6 / len(weights)
     keep = best is not None and best[0] < MIN_GAIN_FUSED * t_ref
     return GemvChoice((n, k), len(weights), round(t_ref * per, 2), round(best[0] * per, 2) if best else None,
