@@ -108,11 +108,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
-    if args.algorithm == "dflash" and args.init_from:
-        from .config import ConfigError
-
-        raise ConfigError(f"--init-from {args.init_from} is for --algorithm eagle3; a DFlash run resumes from "
-                          f"--out's checkpoint.pt instead.")
     if args.algorithm == "dflash":
         from .train.dflash import DFlashTrainConfig, run_training
 
@@ -121,7 +116,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
                                 steps=args.max_steps, lr=args.lr, seed=args.seed, checkpoint_every=args.save_every)
         out = run_training(args.target, args.out, args.device, args.num_prompts, args.max_new_tokens,
                            args.gen_temperature, args.gen_batch, args.max_len, cfg, args.time_budget, args.seed,
-                           gen_time_budget_s=args.gen_time_budget, synth_prompts=args.synth_prompts)
+                           gen_time_budget_s=args.gen_time_budget, synth_prompts=args.synth_prompts,
+                           init_from=args.init_from)
         print(f"draft written to {out} (load it with --speculative-algorithm DFLASH or DDTREE "
               f"--speculative-draft-model-path {out})")
         return 0
@@ -181,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--draft-vocab-size", type=int, default=4096,
                     help="eagle3: draft vocabulary (most frequent response tokens); 0 = the full vocabulary "
                          "through the target's frozen lm_head (none exported)")
-    tr.add_argument("--init-from", default=None, help="eagle3: warm-start from this exported draft directory")
+    tr.add_argument("--init-from", default=None, help="warm-start from this exported draft directory (eagle3: a wider MLP may "
+                         "grow from it; dflash: same shape, block size may differ)")
     tr.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
     tr.add_argument("--ttt-steps", type=int, default=6, help="unrolled draft steps (training-time test)")
     tr.add_argument("--batch-size", type=int, default=32)

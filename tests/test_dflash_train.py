@@ -57,3 +57,24 @@ def test_resume_equals_uninterrupted(tiny, tmp_path):
     resumed = train_dflash(model, data, tmp_path / "b", _cfg(20), torch.device("cpu"), progress=False)
     a, b = load_file(str(straight / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_warm_start_loads_an_exported_draft(tiny, tmp_path):
+    _, llm, data = tiny
+    model = llm.engine.model
+    first = train_dflash(model, data, tmp_path / "a", _cfg(20), torch.device("cpu"), progress=False)
+    # no steps after the warm start: the export is the loaded draft, tensor for tensor
+    again = train_dflash(model, data, tmp_path / "b", _cfg(0), torch.device("cpu"), progress=False, init_from=first)
+    a, b = load_file(str(first / "model.safetensors")), load_file(str(again / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # a larger block reuses the weights (none depends on the block size) and trains on
+    wider = _cfg(5)
+    wider.block_size = 8
+    train_dflash(model, data, tmp_path / "c", wider, torch.device("cpu"), progress=False, init_from=first)
+    other = _cfg(1)
+    other.target_layer_ids = (1, 3)
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        train_dflash(model, data, tmp_path / "d", other, torch.device("cpu"), progress=False, init_from=first)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        train_dflash(model, data, tmp_path / "e", _cfg(1), torch.device("cpu"), progress=False,
+                     init_from=tmp_path / "nowhere")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
+
 from tercel.train.data import EVAL_CHAT_PROMPTS, synth_user_prompts, user_turn_prefix
 
 
@@ -57,3 +59,35 @@ def test_synth_prompts_keep_only_finished_distinct_non_eval_texts(smol_llm):
     seeds = [p.seed for p in s1 + s2]
     assert seeds == list(range(7, 14)) and all(p.temperature == 1.0 for p in s1 + s2)
     assert synth_user_prompts(llm, 0) == []
+
+
+def test_shards_split_the_offline_prompts_and_sample_their_own_prompts(monkeypatch, tmp_path):
+    import tercel.train.data as data
+
+    asked = {}
+
+    def fake_synth(llm, n, seed, wave, time_budget_s):
+        return [f"synth {seed + i}" for i in range(n)]
+
+    def fake_answers(llm, prompts, max_new_tokens, temperature, seed, use_tqdm, wave, time_budget_s):
+        asked[llm] = prompts
+        return [data.Sample([ord(c) for c in p], [1, 2]) for p in prompts]
+
+    monkeypatch.setattr(data, "synth_user_prompts", fake_synth)
+    monkeypatch.setattr(data, "generate_responses", fake_answers)
+    parts = []
+    for k in range(3):
+        samples = data.make_dataset(f"llm{k}", 30, 7, 16, shard=(k, 3))
+        data.save_samples(samples, tmp_path / f"part{k}.pt")
+        parts.append(tmp_path / f"part{k}.pt")
+    offline = [set(p for p in asked[f"llm{k}"] if not p.startswith("synth")) for k in range(3)]
+    assert set.union(*offline) == set(data.build_prompts(30)) and sum(map(len, offline)) == 30
+    synth = [sorted(p for p in asked[f"llm{k}"] if p.startswith("synth")) for k in range(3)]
+    assert [len(s) for s in synth] == [3, 3, 3]  # ceil(7 / 3) each, with seeds no other shard uses
+    assert len(set().union(*map(set, synth))) == 9
+    with pytest.raises(ValueError, match="shard"):
+        data.make_dataset("llm", 30, 7, 16, shard=(3, 3))
+    # joining the parts keeps each prompt once, in order
+    merged = data.merge_samples(parts + parts[:1])
+    assert len(merged) == len({tuple(s.prompt) for s in merged}) == 39
+    assert merged[:len(data.load_samples(parts[0]))] == data.load_samples(parts[0])

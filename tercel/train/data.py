@@ -192,24 +192,35 @@ def synth_user_prompts(llm, n: int, seed: int = 0, max_tokens: int = 96, tempera
     return out[:n]
 
 
+# Seeds of shard k's synthetic prompts start at seed + k * SHARD_SEED_STRIDE: no two shards sample alike.
+SHARD_SEED_STRIDE = 10_000_000
+
+
 def make_dataset(llm, num_prompts: int, synth_prompts: int, max_new_tokens: int, temperature: float = 0.0,
                  seed: int = 0, wave: int = 4096, time_budget_s: float | None = None,
-                 synth_share: float = 0.2) -> list[Sample]:
+                 synth_share: float = 0.2, shard: tuple[int, int] = (0, 1)) -> list[Sample]:
     """The self-distillation dataset: num_prompts offline prompts plus synth_prompts the target wrote,
     shuffled together, answered by the target. time_budget_s bounds the whole job (synth_share of it
-    at most goes to writing prompts)."""
+    at most goes to writing prompts). shard=(k, n): this process's part of an n-process job (every
+    n-th offline prompt from the k-th, synth_prompts / n prompts sampled with their own seeds); the
+    parts are joined with merge_samples. Several processes keep one GPU busier than one, whose
+    per-step host work would leave it idle."""
     if not 0.0 < synth_share < 1.0:
         raise ValueError(f"synth_share={synth_share} must be in (0, 1): the share of the time budget for writing prompts.")
+    k, n = shard
+    if not 0 <= k < n:
+        raise ValueError(f"shard=({k}, {n}): the shard index must be in 0..{n - 1} (k of n processes, counted from 0).")
     start = time.perf_counter()
-    synth = synth_user_prompts(llm, synth_prompts, seed, wave=wave,
+    synth = synth_user_prompts(llm, math.ceil(synth_prompts / n), seed + k * SHARD_SEED_STRIDE, wave=wave,
                                time_budget_s=None if time_budget_s is None else time_budget_s * synth_share)
-    prompts = build_prompts(num_prompts, seed) + synth
+    offline = build_prompts(num_prompts, seed)[k::n]
+    prompts = offline + synth
     random.Random(seed).shuffle(prompts)
     left = None if time_budget_s is None else max(1.0, time_budget_s - (time.perf_counter() - start))
     samples = generate_responses(llm, prompts, max_new_tokens, temperature, seed, use_tqdm=False, wave=wave,
                                  time_budget_s=left)
     log.info("dataset: %d offline + %d synthetic prompts, %d answered (%d response tokens) in %.0f s",
-             num_prompts, len(synth), len(samples), sum(len(s.response) for s in samples), time.perf_counter() - start)
+             len(offline), len(synth), len(samples), sum(len(s.response) for s in samples), time.perf_counter() - start)
     return samples
 
 
@@ -252,6 +263,19 @@ def save_samples(samples: list[Sample], path: str | Path) -> None:
 def load_samples(path: str | Path) -> list[Sample]:
     d = torch.load(str(path), weights_only=True)
     return [Sample(p.tolist(), r.tolist()) for p, r in zip(d["prompts"], d["responses"])]
+
+
+def merge_samples(paths: list[str | Path]) -> list[Sample]:
+    """The samples of several dataset parts (make_dataset shards), each prompt once (the first answer)."""
+    seen: set[tuple[int, ...]] = set()
+    out: list[Sample] = []
+    for path in paths:
+        for s in load_samples(path):
+            key = tuple(s.prompt)
+            if key not in seen:
+                seen.add(key)
+                out.append(s)
+    return out
 
 
 def pack_batch(samples: list[Sample], max_len: int, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -101,9 +101,11 @@ def _cache_features(target: LlamaForCausalLM, samples: list[Sample], layer_ids: 
 def train_dflash(target: LlamaForCausalLM, data: list[Sample], out_dir: str | Path,
                  cfg: DFlashTrainConfig, device: torch.device, progress: bool = True,
                  autocast_dtype: torch.dtype | None = None, stop_after: int | None = None,
-                 time_budget_s: float | None = None, cache_features: bool = False) -> Path:
+                 time_budget_s: float | None = None, cache_features: bool = False,
+                 init_from: str | Path | None = None) -> Path:
     """Train (resuming from out_dir/trainer_state.pt when present) and write the z-lab format.
-    stop_after / time_budget_s: end this call after that many steps / seconds, checkpointed for a resume."""
+    stop_after / time_budget_s: end this call after that many steps / seconds, checkpointed for a resume.
+    init_from: an exported DFlash draft of the same shape to start from instead of random weights."""
     started = time.monotonic()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -118,6 +120,8 @@ def train_dflash(target: LlamaForCausalLM, data: list[Sample], out_dir: str | Pa
             if p.dim() > 1:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
         draft.norm.weight.copy_(target.norm.weight.float())
+        if init_from is not None:
+            warm_start(draft, cfg_dict, init_from)
     target.requires_grad_(False)
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     state_path = out / "trainer_state.pt"
@@ -183,6 +187,25 @@ def train_dflash(target: LlamaForCausalLM, data: list[Sample], out_dir: str | Pa
     return out
 
 
+def warm_start(draft: DFlashDraftModel, cfg_dict: dict, path: str | Path) -> None:
+    """Load an exported DFlash draft into `draft` (every tensor, same shapes). The block size may
+    differ (no weight depends on it); the target layers must be the same, in the same order, since
+    fc's input columns follow them."""
+    from ..loader import hf
+
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"init_from={str(path)!r}: no config.json there (an exported DFlash draft directory).")
+    theirs = hf.hf_config(path).get("dflash_config", {}).get("target_layer_ids")
+    ours = cfg_dict["dflash_config"]["target_layer_ids"]
+    if theirs is None or list(theirs) != list(ours):
+        raise ValueError(f"init_from={str(path)!r}: its target_layer_ids {theirs} differ from this run's {ours}; "
+                         f"train with the same target layers or start from random weights.")
+    draft.load_weights(hf.iter_safetensors(hf.safetensors_files(path)), str(path))
+    log.info("warm start from %s", path)
+
+
 def save_dflash(draft: DFlashDraftModel, cfg_dict: dict, out: Path, metadata: dict[str, str],
                 dtype: torch.dtype = torch.bfloat16) -> None:
     """z-lab format: config.json + model.safetensors, gate/up split back into the checkpoint's names."""
@@ -214,7 +237,8 @@ def choose_mask_token(tokenizer, vocab_size: int) -> int:
 def run_training(target: str | None, out: str | Path, device: str = "auto", num_prompts: int = 4096,
                  max_new_tokens: int = 256, gen_temperature: float = 0.0, gen_batch: int = 512,
                  max_len: int = 512, cfg: DFlashTrainConfig | None = None, time_budget_s: float | None = None,
-                 seed: int = 0, gen_time_budget_s: float | None = None, synth_prompts: int = 0) -> Path:
+                 seed: int = 0, gen_time_budget_s: float | None = None, synth_prompts: int = 0,
+                 init_from: str | Path | None = None) -> Path:
     """The whole job behind `tercel train-draft --algorithm dflash`: data (generated once, kept in
     out/data.pt), then training (resumable from out/trainer_state.pt)."""
     from ..llm import LLM
@@ -240,4 +264,4 @@ def run_training(target: str | None, out: str | Path, device: str = "auto", num_
         cfg.mask_token_id = choose_mask_token(llm.tokenizer, model.config.vocab_size)
     autocast = torch.bfloat16 if dev.type == "cuda" else None
     return train_dflash(model, samples, out, cfg, dev, autocast_dtype=autocast, time_budget_s=time_budget_s,
-                        cache_features=dev.type == "cpu")
+                        cache_features=dev.type == "cpu", init_from=init_from)
