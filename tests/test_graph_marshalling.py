@@ -250,3 +250,38 @@ def test_cached_staging_plans_copy_fresh_values(foreach_calls):
     # narrower block table has its own copy
     assert len(foreach_calls) == 5
     assert foreach_calls[-2][0] == [torch.long] * 8 and foreach_calls[-1][0] == [torch.float32] * 2
+
+
+def test_capture_collects_garbage_first_and_pauses_the_collector(tiny):
+    """A dead engine's graphs freed by a cyclic collection in the middle of a capture invalidate it
+    on the GPU (seen on the H200: a second engine built after the first was dropped); so garbage is
+    collected before capture and the collector is paused until capture ends."""
+    import gc
+
+    model, cfg = tiny
+    kv = kv_pool(cfg, "cpu", torch.float32)
+    events = []
+
+    class Graph:
+        def capture(self, fn):
+            events.append(("capture", gc.isenabled()))
+            return fn()
+
+    runner, _ = _runner(model, kv, max_bs=2)
+    runner._new_graph = lambda: Graph()
+
+    class DeadEngine:  # a reference cycle only the cyclic collector frees
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            events.append(("freed", None))
+
+    DeadEngine()
+    assert gc.isenabled()
+    runner.capture_all()
+    # collected before the first capture; every capture ran with the collector paused; resumed after
+    assert events == [("freed", None)] + [("capture", False)] * len(runner.buckets) and gc.isenabled()
+    DeadEngine()
+    runner.capture(1, CaptureHiddenMode.FULL)  # a lone (re)capture does the same
+    assert events[-2:] == [("freed", None), ("capture", False)] and gc.isenabled()

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -124,6 +126,23 @@ class RunnerStats:
     fallbacks: collections.Counter = field(default_factory=collections.Counter)
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """Collect garbage now, then pause Python's cyclic collector (as torch.cuda.graph does). A dead
+    engine's graphs and buffers, freed by a collection that happens to run while a stream captures,
+    would invalidate the capture: destroying a graph or freeing memory is not permitted then. Nested
+    uses (capture_all -> capture) collect once."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 class CudaGraphRunner:
     def __init__(self, step: StepKind, config: GraphConfig, device: torch.device | str,
                  graph_factory: Callable[[], Any] | None = None, pool: Any = None) -> None:
@@ -142,8 +161,9 @@ class CudaGraphRunner:
 
     # ---- capture -------------------------------------------------------------------------
     def capture_all(self, mode: CaptureHiddenMode = CaptureHiddenMode.NULL) -> None:
-        for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
-            self.capture(bs, mode)
+        with collector_paused():
+            for bs in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
+                self.capture(bs, mode)
 
     def _new_graph(self) -> Any:
         if self.config.backend == "full":
@@ -152,6 +172,10 @@ class CudaGraphRunner:
                               graph_factory=self.graph_factory)
 
     def capture(self, bucket: int, mode: CaptureHiddenMode) -> CapturedGraph:
+        with collector_paused():
+            return self._capture(bucket, mode)
+
+    def _capture(self, bucket: int, mode: CaptureHiddenMode) -> CapturedGraph:
         start = time.perf_counter()
         views = {name: self.buffers.view(name, bucket) for name in self.buffers.specs}
         static = self.step.static_batch(views, bucket, mode)
