@@ -107,6 +107,41 @@ def test_verify_shaped_step_with_trees_fp32(tiny32):
     assert runner.stats.replays == 3
 
 
+@torch.inference_mode()
+def test_capture_while_a_dropped_runner_awaits_collection(tiny32):
+    """Seen on the H200: a second engine's capture failed when the cyclic collector freed the
+    first (dropped) engine's graphs in the middle of it. Here the collector is made to run at
+    almost every allocation once a capture has begun; the runner must collect first and pause it."""
+    import gc
+
+    model, cfg = tiny32
+    old = _runner(model, _pool(cfg), max_bs=4)
+    old.me = old  # a reference cycle: only the collector frees it, and its graphs with it
+    del old
+    saved = gc.get_threshold()
+
+    class CollectingGraph(torch.cuda.CUDAGraph):
+        def capture_begin(self, *args, **kwargs):
+            super().capture_begin(*args, **kwargs)
+            gc.set_threshold(1)
+
+        def capture_end(self):
+            gc.set_threshold(*saved)
+            super().capture_end()
+
+    kv, kv_ref = _pool(cfg), _pool(cfg)
+    step = ModelStep(model, kv, max_blocks_per_request=40)
+    runner = CudaGraphRunner(step, GraphConfig(max_bs=4, backend="full"), "cuda", graph_factory=CollectingGraph)
+    try:
+        runner.capture_all()
+    finally:
+        gc.set_threshold(*saved)
+    reqs, reqs_ref = FakeRequests(4, kv, cfg.vocab_size), FakeRequests(4, kv_ref, cfg.vocab_size)
+    out = runner.run(reqs.batch([0, 1, 2]))
+    torch.testing.assert_close(out.logits, model(reqs_ref.batch([0, 1, 2]), kv_ref).logits, atol=1e-4, rtol=1e-4)
+    assert runner.stats.replays == 1 and runner.stats.eager == 0
+
+
 # ---- SmolLM2, bf16, through the engine ---------------------------------------------------------
 
 @pytest.fixture(scope="module")
