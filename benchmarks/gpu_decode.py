@@ -10,9 +10,11 @@ one JSON per model (commit, GPU, torch, the exact command).
   llama8b: hidden 4096, 32 layers, 32 q / 8 kv heads, FFN 14336, vocab 128256, random weights (seeded
            normal, std 0.02, generated on the GPU and fed through load_weights), bf16, bs=1
   both:    bs=1 also with multi-step decode (--num-scheduler-steps N greedy forwards per host sync,
-           default 8; "bs1" is N=1, "bs1_multistep" is N, tokens checked equal);
-           throughput for bs 1, 8, 32, 128, 256 (N=1); host microseconds to stage one replay's inputs with
-           grouped foreach copies vs one copy_ per tensor
+           default 8; "bs1" is N=1, "bs1_multistep" is N, tokens checked equal); each with the overlap
+           schedule (the GPU default: the next step is launched before the last one's tokens are read) and
+           without it ("*_no_overlap");
+           throughput for bs 1, 8, 32, 128, 256 (N=1, with and without the overlap schedule); host
+           microseconds to stage one replay's inputs with grouped foreach copies vs one copy_ per tensor
 
 Roofline: a bs=1 decode step reads every weight once (the embedding table only where tied, as the
 lm_head), so roofline tok/s = measured copy bandwidth / weight bytes.
@@ -190,6 +192,11 @@ def bench_engine(engine, eager_engine, make_prompts, name: str, args, bw: float)
     engine.num_scheduler_steps = 1
     res["bs1"] = bs1(args.repeats)
     res["bs1"]["num_scheduler_steps"] = 1
+    res["bs1"]["overlap_schedule"] = engine.overlap_schedule
+    engine.overlap_schedule = False
+    res["bs1_no_overlap"] = bs1(args.repeats)
+    res["bs1_no_overlap"]["roofline_fraction"] = round(res["bs1_no_overlap"]["decode_tok_s"] / res["roofline_tok_s"], 3)
+    engine.overlap_schedule = True
     if tokenizer is not None:
         engine.tokenizer = tokenizer
         res["bs1_with_detokenize"] = bs1(1)
@@ -202,6 +209,11 @@ def bench_engine(engine, eager_engine, make_prompts, name: str, args, bw: float)
         res["bs1_multistep"]["tokens_equal_single_step"] = multi == got
         res["bs1_multistep"]["roofline_fraction"] = round(
             res["bs1_multistep"]["decode_tok_s"] / res["roofline_tok_s"], 3)
+        engine.overlap_schedule = False
+        res["bs1_multistep_no_overlap"] = bs1(args.repeats)
+        res["bs1_multistep_no_overlap"]["roofline_fraction"] = round(
+            res["bs1_multistep_no_overlap"]["decode_tok_s"] / res["roofline_tok_s"], 3)
+        engine.overlap_schedule = True
         if tokenizer is not None:
             engine.tokenizer = tokenizer
             res["bs1_multistep_with_detokenize"] = bs1(1)
@@ -216,9 +228,13 @@ def bench_engine(engine, eager_engine, make_prompts, name: str, args, bw: float)
     res["bs1_no_graph_tok_s"] = round(64 / t, 1)
     print(f"[{name}] bs=1: {res['bs1']}", flush=True)
     try:
-        res["throughput"] = throughput(engine, make_prompts, args.tput_tokens,
-                                       [int(b) for b in args.batches.split(",") if b])
+        sizes = [int(b) for b in args.batches.split(",") if b]
+        res["throughput"] = throughput(engine, make_prompts, args.tput_tokens, sizes)
         print(f"[{name}] throughput: {res['throughput']}", flush=True)
+        engine.overlap_schedule = False
+        res["throughput_no_overlap"] = throughput(engine, make_prompts, args.tput_tokens, sizes)
+        engine.overlap_schedule = True
+        print(f"[{name}] throughput without the overlap schedule: {res['throughput_no_overlap']}", flush=True)
     except Exception as e:  # keep what was measured
         res["throughput_error"] = repr(e)
         traceback.print_exc()

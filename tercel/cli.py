@@ -24,6 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed)")
     g.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode steps run back to back per host sync (default 1; e.g. 8 on a GPU)")
+    g.add_argument("--disable-overlap-schedule", action="store_true", default=None,
+                   help="on a GPU, read each decode step's tokens before launching the next (default: launch "
+                        "the next step first, so host work overlaps the GPU's)")
     c = p.add_argument_group("CUDA graphs (GPU only)")
     c.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly")
     c.add_argument("--cuda-graph-max-bs", type=int, default=None,
@@ -42,7 +45,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
                 disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
                 cuda_graph_bs=args.cuda_graph_bs, cuda_graph_backend=args.cuda_graph_backend,
-                num_scheduler_steps=args.num_scheduler_steps)
+                num_scheduler_steps=args.num_scheduler_steps,
+                disable_overlap_schedule=args.disable_overlap_schedule)
 
 
 def add_speculative_args(p: argparse.ArgumentParser, default_algorithm: str | None = None) -> None:

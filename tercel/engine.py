@@ -11,6 +11,14 @@ the end brings the N x B tokens back; they are appended one by one with the usua
 outputs equal single-step decoding, delivered in bursts. (A request that stops on EOS / a stop string
 inside a window keeps its row until the window ends: the batch is then one row larger than a single
 step's, which bf16 GEMMs on a GPU may round differently, like bucket padding.)
+
+Overlap schedule (SGLang's idea; on by default on a GPU, `disable_overlap_schedule` turns it off): a
+decode window (of N >= 1 forwards) is launched and left in flight; the next step launches the following
+window, fed the in-flight window's last tokens on the device, before it waits for the in-flight tokens
+and appends them. The host's bookkeeping (stop checks, detokenization, scheduling, staging) then runs
+while the GPU computes, instead of between its forwards. It assumes no request stops inside the
+in-flight window; one that does (EOS, stop string, abort) has the next window's work for it discarded.
+Outputs are those of one step per sync, one step later.
 """
 from __future__ import annotations
 
@@ -57,6 +65,17 @@ class DecodeWindow:
         return ForwardBatch(input_ids=input_ids, positions=self.positions[step], out_cache_loc=self.out_cache_loc[step],
                             seq_lens=self.seq_lens[step], block_tables=self.block_tables,
                             logits_indices=self.logits_indices, query_lens=[1] * len(lens), seq_lens_cpu=lens)
+
+
+@dataclass(slots=True)
+class InflightWindow:
+    """A launched decode window whose tokens are not read yet (overlap schedule)."""
+
+    reqs: list[Request]
+    num_steps: int
+    tokens: torch.Tensor  # [num_steps, B] on the device: the last row feeds the next window
+    host_tokens: torch.Tensor  # the same, copied to (pinned) host memory behind `ready`
+    ready: torch.cuda.Event | None  # None on CPU (the forwards ran synchronously)
 
 
 def check_num_scheduler_steps(value: object) -> int:
@@ -113,9 +132,17 @@ class LLMEngine:
                  speculative_ddtree_budget: int | None = None, disable_cuda_graph: bool = False,
                  cuda_graph_max_bs: int | None = None, cuda_graph_bs: list[int] | None = None,
                  cuda_graph_backend: str = "full", num_scheduler_steps: int = 1, tune_gemv: bool = True,
-                 dequantize_gguf: bool = False) -> None:
+                 dequantize_gguf: bool = False, disable_overlap_schedule: bool | None = None) -> None:
         self.num_scheduler_steps = check_num_scheduler_steps(num_scheduler_steps)
         self.device = resolve_device(device)
+        # overlap schedule: a GPU default (on CPU the forward runs on the host, so nothing overlaps);
+        # disable_overlap_schedule=False forces it on anywhere (tests drive it on CPU)
+        if disable_overlap_schedule is not None and not isinstance(disable_overlap_schedule, bool):
+            raise ConfigError(f"disable_overlap_schedule={disable_overlap_schedule!r} must be True, False or None "
+                              f"(None: overlap on a GPU only).")
+        self.overlap_schedule = (self.device.type == "cuda" if disable_overlap_schedule is None
+                                 else not disable_overlap_schedule)
+        self._inflight: InflightWindow | None = None
         self.dtype = parse_dtype(dtype, self.device)
         self.rng = torch.Generator().manual_seed(seed)
         if loaded is None:
@@ -261,8 +288,13 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         with self._lock:
+            if self._inflight is not None:
+                outputs = self._advance_inflight()
+                if outputs or self._inflight is not None:
+                    return outputs
+                # every request of that window had stopped or been aborted: schedule afresh now
             num_steps = self._window_steps()
-            if num_steps > 1:
+            if num_steps >= 1:
                 window = self.scheduler.schedule_decode_window(num_steps)
                 if window is not None:
                     return self._multi_step(window, num_steps)
@@ -289,45 +321,75 @@ class LLMEngine:
         p = req.params
         return not p.has_penalties and p.logprobs is None and len(req.output_token_ids) >= p.min_tokens
 
-    def _window_steps(self) -> int:
-        """Forwards the next step may run without a host sync: 1 unless multi-step applies. Never past a
-        request's max_tokens or max_model_len, so every reserved KV slot of a live request is used."""
+    def _window_steps(self, ahead: int = 0) -> int:
+        """Forwards the next decode window may run without a host sync; 0: no window (a normal step runs).
+        A window of one forward only under the overlap schedule. ahead: tokens of an in-flight window not
+        appended yet. Never past a request's max_tokens or max_model_len, so every reserved KV slot of a
+        live request is used."""
         n = self.num_scheduler_steps
-        if n == 1 or self.spec is not None:
-            return 1
+        if (n == 1 and not self.overlap_schedule) or self.spec is not None:
+            return 0
         for r in self.scheduler.running:
             if not self._window_eligible(r):
-                return 1
-            n = min(n, r.params.max_tokens - len(r.output_token_ids), self.config.max_model_len - r.num_tokens)
-        return max(n, 1)
+                return 0
+            n = min(n, r.params.max_tokens - len(r.output_token_ids) - ahead,
+                    self.config.max_model_len - r.num_tokens - ahead)
+        return n if n > 1 or (n == 1 and self.overlap_schedule) else 0
 
-    def _build_window(self, reqs: list[Request], num_steps: int) -> DecodeWindow:
+    def _build_window(self, reqs: list[Request], num_steps: int, ahead: int = 0,
+                      first_ids: torch.Tensor | None = None) -> DecodeWindow:
+        """ahead, first_ids: the window after an in-flight one, whose last tokens (on the device) are the
+        input of forward 0 and whose `ahead` positions are not counted in num_computed_tokens yet."""
         bs = self.kv.block_size
-        first_ids = [(r.output_token_ids or r.prompt_token_ids)[-1] for r in reqs]
         positions, slots, seq_lens = [], [], []
         for step in range(num_steps):
             for r in reqs:
-                p = r.num_computed_tokens + step
+                p = r.num_computed_tokens + ahead + step
                 positions.append(p)
                 slots.append(r.block_table[p // bs] * bs + p % bs)
                 seq_lens.append(p + 1)
         width = max(len(r.block_table) for r in reqs)
         tables = [b for r in reqs for b in r.block_table + [0] * (width - len(r.block_table))]
-        lists = [first_ids, positions, slots, seq_lens, tables, list(range(len(reqs)))]
+        lists = [positions, slots, seq_lens, tables, list(range(len(reqs)))]
+        if first_ids is None:
+            lists.append([(r.output_token_ids or r.prompt_token_ids)[-1] for r in reqs])
         if self._stager is not None:  # GPU: the whole window's inputs in one pinned upload
             t = self._stager.upload(lists)
         else:
             t = [torch.tensor(x, dtype=torch.long, device=self.device) for x in lists]
         b = len(reqs)
-        return DecodeWindow(first_ids=t[0], positions=t[1].view(num_steps, b), out_cache_loc=t[2].view(num_steps, b),
-                            seq_lens=t[3].view(num_steps, b), block_tables=t[4].view(b, width), logits_indices=t[5],
+        return DecodeWindow(first_ids=t[5] if first_ids is None else first_ids,
+                            positions=t[0].view(num_steps, b), out_cache_loc=t[1].view(num_steps, b),
+                            seq_lens=t[2].view(num_steps, b), block_tables=t[3].view(b, width), logits_indices=t[4],
                             seq_lens_cpu=[seq_lens[i * b:(i + 1) * b] for i in range(num_steps)])
 
     def _multi_step(self, scheduled: list[ScheduledRequest], num_steps: int) -> list[RequestOutput]:
+        """A decode window: launched, then (overlap schedule) left in flight, or read back now."""
+        window = self._launch_window([s.request for s in scheduled], num_steps)
+        if self.overlap_schedule:
+            self._inflight = window
+            return []
+        return self._collect_window(window)
+
+    def _advance_inflight(self) -> list[RequestOutput]:
+        """Overlap schedule: launch the window after the in-flight one (when the batch stays the same pure
+        decode batch and the KV pool covers it), then read the in-flight tokens back and append them."""
+        w, self._inflight = self._inflight, None
+        nxt = None
+        if self.scheduler.running == w.reqs:
+            n = self._window_steps(ahead=w.num_steps)
+            if n >= 1 and self.scheduler.schedule_decode_window(n, ahead=w.num_steps) is not None:
+                nxt = self._launch_window(w.reqs, n, ahead=w.num_steps, first_ids=w.tokens[-1])
+        outputs = self._collect_window(w)
+        self._inflight = nxt
+        return outputs
+
+    def _launch_window(self, reqs: list[Request], num_steps: int, ahead: int = 0,
+                       first_ids: torch.Tensor | None = None) -> InflightWindow:
         """num_steps decode forwards, each replaying the decode graph, each fed the tokens the previous one
-        chose on the device (argmax; sampled requests: Sampler's exponential race, batched)."""
-        reqs = [s.request for s in scheduled]
-        window = self._build_window(reqs, num_steps)
+        chose on the device (argmax; sampled requests: Sampler's exponential race, batched). Nothing here
+        waits for the GPU; the tokens start on their way to the host behind an event."""
+        window = self._build_window(reqs, num_steps, ahead, first_ids)
         sampled_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         ids = window.first_ids
         step_tokens: list[torch.Tensor] = []
@@ -338,11 +400,27 @@ class LLMEngine:
             if sampled_rows:
                 ids[sampled_rows] = sample_batch(out.logits[sampled_rows], [reqs[i] for i in sampled_rows])
             step_tokens.append(ids)
-        tokens = torch.stack(step_tokens).tolist()  # the window's one device -> host sync
+        tokens = torch.stack(step_tokens)
+        if tokens.is_cuda:  # a sync-free copy: .tolist() here would also wait for any window launched after
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            return InflightWindow(reqs, num_steps, tokens, host, ready)
+        return InflightWindow(reqs, num_steps, tokens, tokens, None)
+
+    def _collect_window(self, w: InflightWindow) -> list[RequestOutput]:
+        """Wait for a window's tokens and append them with the usual stop checks. A request aborted while
+        its window was in flight is skipped; one that stops inside it discards the rest of its tokens."""
+        if w.ready is not None:
+            w.ready.synchronize()
+        tokens = w.host_tokens.tolist()  # the window's one device -> host sync
         outputs = []
-        for i, r in enumerate(reqs):
-            r.num_computed_tokens += num_steps
-            for step in range(num_steps):
+        for i, r in enumerate(w.reqs):
+            if r.finish_reason is not None:  # aborted, or stopped inside the previous window
+                continue
+            r.num_computed_tokens += w.num_steps
+            for step in range(w.num_steps):
                 self._append_token(r, tokens[step][i], None)
                 if r.finish_reason is not None:  # the rest of its window is discarded; its blocks are freed
                     break

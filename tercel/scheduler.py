@@ -96,11 +96,12 @@ class Scheduler:
                 budget -= n
         return SchedulerOutput(scheduled, preempted)
 
-    def schedule_decode_window(self, num_steps: int) -> list[ScheduledRequest] | None:
+    def schedule_decode_window(self, num_steps: int, ahead: int = 0) -> list[ScheduledRequest] | None:
         """Multi-step decode: every running request decodes num_steps tokens back to back, with the KV
         slots of all of them reserved now. None when this is not a pure decode batch (a prefill is
         pending, or a waiting request could be admitted: arrivals wait at most one window) or when the
-        free blocks do not cover the window (a normal step then runs, preempting if it must)."""
+        free blocks do not cover the window (a normal step then runs, preempting if it must).
+        ahead: positions of an in-flight window (overlap schedule) that come first, reserved already."""
         running = self.running
         if not running or len(running) > self.max_num_batched_tokens:
             return None
@@ -108,7 +109,7 @@ class Scheduler:
             return None
         if any(r.num_computed_tokens != r.num_tokens - 1 for r in running):
             return None
-        needs = [self._blocks_needed(r, num_steps) for r in running]
+        needs = [self._blocks_needed(r, ahead + num_steps) for r in running]
         if sum(needs) > self.allocator.num_free:
             return None
         for r, n in zip(running, needs):

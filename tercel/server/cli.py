@@ -99,6 +99,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own seed")
     e.add_argument("--num-scheduler-steps", type=_positive_int, default=1,
                    help="decode steps run back to back per host sync (default 1; e.g. 8 on a GPU)")
+    e.add_argument("--disable-overlap-schedule", action="store_true", default=None,
+                   help="on a GPU, read each decode step's tokens before launching the next (default: launch "
+                        "the next step first, so host work overlaps the GPU's)")
     d = p.add_argument_group("speculative decoding (passed to the engine only when given)")
     d.add_argument("--speculative-algorithm", default=None, help="NGRAM, EAGLE, EAGLE3, DFLASH or DDTREE")
     d.add_argument("--speculative-draft-model-path", default=None, help="draft model directory or .gguf file")
@@ -164,6 +167,7 @@ def run_serve(args: argparse.Namespace) -> int:
                      max_num_batched_tokens=args.max_num_batched_tokens,
                      gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
                      num_scheduler_steps=args.num_scheduler_steps,
+                     disable_overlap_schedule=args.disable_overlap_schedule,
                      progress=sys.stderr.isatty())
     spec_kw = {k: getattr(args, k) for k in SPECULATIVE_ARGS if getattr(args, k, None) is not None}
     try:
