@@ -38,7 +38,7 @@ from .kv import KVCacheSpec, PagedKVCache, blocks_for_budget
 from .loader.model_loader import LoadedModel, load_model, parse_dtype
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request, RequestStatus
-from .sampling import Sampler, sample_batch
+from .sampling import Sampler, greedy_tokens, sample_batch
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledRequest, Scheduler
 from .detokenizer import update_text
@@ -143,6 +143,7 @@ class LLMEngine:
         self.overlap_schedule = (self.device.type == "cuda" if disable_overlap_schedule is None
                                  else not disable_overlap_schedule)
         self._inflight: InflightWindow | None = None
+        self._download_stream = None  # CUDA: the stream that brings window tokens to the host
         self.dtype = parse_dtype(dtype, self.device)
         self.rng = torch.Generator().manual_seed(seed)
         if loaded is None:
@@ -396,16 +397,24 @@ class LLMEngine:
         for step in range(num_steps):
             out = self.run_model(window.batch(step, ids))
             # choose before the next replay overwrites the graph's logits; the same ops as Sampler.sample
-            ids = out.logits.argmax(-1)
+            ids = greedy_tokens(out.logits)
             if sampled_rows:
                 ids[sampled_rows] = sample_batch(out.logits[sampled_rows], [reqs[i] for i in sampled_rows])
             step_tokens.append(ids)
         tokens = torch.stack(step_tokens)
         if tokens.is_cuda:  # a sync-free copy: .tolist() here would also wait for any window launched after
+            # on its own stream, so the next window's kernels need not queue behind the copy's latency
+            chosen = torch.cuda.Event()
+            chosen.record()
+            if self._download_stream is None:
+                self._download_stream = torch.cuda.Stream(self.device)
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
+            with torch.cuda.stream(self._download_stream):
+                self._download_stream.wait_event(chosen)
+                host.copy_(tokens, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+            tokens.record_stream(self._download_stream)
             return InflightWindow(reqs, num_steps, tokens, host, ready)
         return InflightWindow(reqs, num_steps, tokens, tokens, None)
 

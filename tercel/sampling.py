@@ -7,8 +7,19 @@ from __future__ import annotations
 
 import torch
 
+from .kernels import use_triton
 from .request import Request
 from .sampling_params import SamplingParams
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim of [B, V] logits, on their device (no sync): on a GPU the Triton kernel,
+    which splits each row over many programs (torch's one-block reduction is ~28 us per 128k row)."""
+    if logits.dim() == 2 and logits.stride(-1) == 1 and use_triton(logits):
+        from .kernels.argmax import argmax_rows
+
+        return argmax_rows(logits)
+    return logits.argmax(-1)
 
 
 def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
@@ -106,7 +117,7 @@ def sample_probs(probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """One draw per row of probs [len(reqs), V] by the exponential race (argmax p / E, E ~ Exp(1)): the
     same law as multinomial. Token ids [len(reqs)] stay on probs' device (no host sync)."""
     noise = draw_noise(draw_keys(reqs), probs.shape[-1], probs.device)
-    return (probs.float() / noise).argmax(-1)
+    return greedy_tokens(probs.float() / noise)
 
 
 def sample_from_probs(probs: torch.Tensor, req: Request) -> int:
@@ -142,7 +153,7 @@ class Sampler:
                        and not r.params.min_tokens]
         # all-greedy batches (the common case) skip the row gather: one argmax, one device->host copy
         rows = logits if len(greedy_rows) == len(reqs) else logits[greedy_rows]
-        greedy_ids = rows.argmax(-1).tolist() if greedy_rows else []
+        greedy_ids = greedy_tokens(rows).tolist() if greedy_rows else []
         chosen = dict(zip(greedy_rows, greedy_ids))
         sampled_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if sampled_rows:  # one batched draw, one device->host copy

@@ -267,7 +267,30 @@ def check_decode_rope(device: str, dtype: torch.dtype) -> None:
             assert int(counters.abs().sum()) == 0, "split counters must be left at zero"
 
 
-ALL = [check_norms, check_rope_store, check_decode, check_extend, check_gemv, check_gemv_fused, check_decode_rope]
+def check_argmax(device: str, dtype: torch.dtype) -> None:
+    """Row argmax equals torch.argmax: vocabularies that are and are not a multiple of the slice width,
+    ties inside a slice and across slices (the first index wins), -inf rows, NaN, and bf16 logits."""
+    from tercel.kernels.argmax import BLOCK, argmax_rows
+    from tercel.sampling import greedy_tokens
+
+    g = torch.Generator(device="cpu").manual_seed(11)
+    for b, v in [(1, 128256), (3, 49152), (5, BLOCK), (2, 7), (8, 3 * BLOCK + 1)]:
+        for dt in (torch.float32, torch.bfloat16):
+            x = torch.randn(b, v, generator=g).to(device, dt)
+            assert torch.equal(argmax_rows(x), x.argmax(-1)), (b, v, dt)
+    x = torch.zeros(4, 3 * BLOCK + 5, device=device)
+    x[0, [5, 9]] = 2.0  # a tie inside one slice
+    x[1, [BLOCK + 3, 2 * BLOCK + 1]] = 2.0  # a tie across slices
+    x[2] = float("-inf")  # no finite value: index 0, like torch
+    x[3, [7, BLOCK + 8]] = float("nan")  # NaN wins; the first one
+    assert argmax_rows(x).tolist() == [5, BLOCK + 3, 0, 7]
+    assert torch.equal(argmax_rows(x[:3]), x[:3].argmax(-1))
+    assert argmax_rows(torch.empty(0, 10, device=device)).shape == (0,)
+    logits = torch.randn(6, 1000, generator=g).to(device)
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+
+
+ALL = [check_argmax, check_norms, check_rope_store, check_decode, check_extend, check_gemv, check_gemv_fused, check_decode_rope]
 
 
 def run_all(device: str, dtype: torch.dtype) -> None:

@@ -22,7 +22,7 @@ from ..forward_batch import CaptureHiddenMode, ForwardBatch
 from ..outputs import RequestOutput
 from ..request import Request
 from ..scheduler import ScheduledRequest
-from ..sampling import Sampler
+from ..sampling import Sampler, greedy_tokens
 from .drafter import Drafter, ExtendedChunk
 from .tree import DraftTree
 from .verify import Accepted, accept_greedy, accept_sampling, context_free
@@ -123,7 +123,7 @@ class SpecWorker:
         out = eng.model(batch, eng.kv)
         # 3. accept
         logits = out.logits
-        argmax = logits.argmax(-1).tolist() if any(r.params.greedy and context_free(r) for r in reqs) else None
+        argmax = greedy_tokens(logits).tolist() if any(r.params.greedy and context_free(r) for r in reqs) else None
         accepted: list[Accepted] = []
         for r, t, off in zip(reqs, trees, offsets):
             rows = logits[off:off + len(t)]
