@@ -187,10 +187,7 @@ def check_gemv(device: str, dtype: torch.dtype) -> None:
         x = torch.randn(1, k, generator=g).to(device, dtype)
         ref = F.linear(x.double(), w.double())
         for c in [GemvConfig(block_n=8, block_k=128), GemvConfig(block_n=16, block_k=64, split_k=3),
-                  GemvConfig(block_n=4, block_k=128, split_k=4, num_warps=8),
-                  # several row blocks per program, the last ones ragged or past N
-                  GemvConfig(block_n=4, block_k=128, rows_per_program=3),
-                  GemvConfig(block_n=2, block_k=64, split_k=2, rows_per_program=7)]:
+                  GemvConfig(block_n=4, block_k=128, split_k=4, num_warps=8)]:
             y = gemv(x, w, c)
             assert y.shape == (1, n) and y.dtype == dtype
             assert _rel(y, ref) < _tol(dtype), (n, k, c)
@@ -210,8 +207,7 @@ def check_gemv_fused(device: str, dtype: torch.dtype) -> None:
 
     g = torch.Generator(device="cpu").manual_seed(6)
     configs = [GemvConfig(block_n=8, block_k=128), GemvConfig(block_n=16, block_k=64, split_k=3),
-               GemvConfig(block_n=4, block_k=256, split_k=2, num_warps=8), GemvConfig(block_n=2, block_k=128,
-                                                                                  rows_per_program=5)]
+               GemvConfig(block_n=4, block_k=256, split_k=2, num_warps=8)]
     for n, k in [(96, 256), (77, 300)]:
         w = torch.randn(n, k, generator=g).to(device, dtype)
         x = torch.randn(1, k, generator=g).to(device, dtype)

@@ -16,12 +16,6 @@ with the rounding of the unfused kernels in fused.py:
   residual     epilogue: returns residual + x @ W^T (the product rounded first, as an add after it)
 With pdl the first weight chunk is read before griddepcontrol.wait, so it streams while the previous
 kernel drains; nothing the previous kernel writes is read, and nothing is written, before the wait.
-
-rows_per_program > 1: each program serves that many row blocks (pid, pid + G, pid + 2G, ... for a grid
-of G), loading the next block's first weight chunk as it finishes one. A norm prologue then computes the
-row's rms once per program instead of once per BLOCK_N rows: with BLOCK_N = 2 on Llama-8B's gate_up
-that is 14336 programs each reading the whole 8 KB input first, which cost more than the separate norm
-kernel it replaces.
 """
 from __future__ import annotations
 
@@ -40,20 +34,19 @@ class GemvConfig:
     block_k: int = 512
     split_k: int = 1
     num_warps: int = 4
-    rows_per_program: int = 1  # row blocks each program serves (see the module docstring)
 
 
 @triton.jit
 def _gemv_kernel(X, W, Y, R, NW, K, K_PER_SPLIT, stride_w, N, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, SILU: tl.constexpr,
-                 ADD: tl.constexpr, PDL: tl.constexpr, ROW_ITERS: tl.constexpr):
-    rb = tl.program_id(0)
+                 ADD: tl.constexpr, PDL: tl.constexpr):
+    pid = tl.program_id(0)
     split = tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = rows < N
     cols = tl.arange(0, BLOCK_K)
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = rows < N
     w_ptr = W + rows.to(tl.int64)[:, None] * stride_w + cols[None, :]
     # weights never depend on the previous kernel: the first chunk is in flight before the wait
     w = tl.load(w_ptr + k_start, mask=rm[:, None] & (k_start + cols < k_end)[None, :], other=0.0)
@@ -68,40 +61,33 @@ def _gemv_kernel(X, W, Y, R, NW, K, K_PER_SPLIT, stride_w, N, eps, BLOCK_N: tl.c
             xv = tl.load(X + n0 + nc, mask=n0 + nc < K, other=0.0).to(tl.float32)
             ss += xv * xv
         rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
-    for _ in range(ROW_ITERS):
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            km = k0 + cols < k_end
-            if SILU:  # as fused.silu_mul: silu(gate) rounded, then the product rounded
-                g = tl.load(X + k0 + cols, mask=km, other=0.0)
-                u = tl.load(X + K + k0 + cols, mask=km, other=0.0)
-                gf = g.to(tl.float32)
-                s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-                x = (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
-            elif NORM:  # as fused.rms_norm: normalised value rounded, times the weight, rounded
-                xv = tl.load(X + k0 + cols, mask=km, other=0.0)
-                nw = tl.load(NW + k0 + cols, mask=km, other=0.0)
-                xn = (xv.to(tl.float32) * rstd).to(xv.dtype).to(tl.float32) * nw.to(tl.float32)
-                x = xn.to(xv.dtype).to(tl.float32)
-            else:
-                x = tl.load(X + k0 + cols, mask=km, other=0.0).to(tl.float32)
-            acc += w.to(tl.float32) * x[None, :]
-            nxt = k0 + BLOCK_K  # the next chunk's load overlaps this chunk's arithmetic
-            w = tl.load(w_ptr + nxt, mask=rm[:, None] & (nxt + cols < k_end)[None, :], other=0.0)
-        y = tl.sum(acc, 1)
-        if SPLIT == 1:
-            if ADD:
-                r = tl.load(R + rows, mask=rm, other=0.0)
-                y = y.to(Y.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
-            tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rm)
-        else:  # fp32 partials [SPLIT, N]
-            tl.store(Y + split * N + rows, y, mask=rm)
-        if ROW_ITERS > 1:  # the next row block of this program; its first chunk starts streaming now
-            rb += tl.num_programs(0)
-            rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
-            rm = rows < N
-            w_ptr = W + rows.to(tl.int64)[:, None] * stride_w + cols[None, :]
-            w = tl.load(w_ptr + k_start, mask=rm[:, None] & (k_start + cols < k_end)[None, :], other=0.0)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        km = k0 + cols < k_end
+        if SILU:  # as fused.silu_mul: silu(gate) rounded, then the product rounded
+            g = tl.load(X + k0 + cols, mask=km, other=0.0)
+            u = tl.load(X + K + k0 + cols, mask=km, other=0.0)
+            gf = g.to(tl.float32)
+            s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+            x = (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+        elif NORM:  # as fused.rms_norm: normalised value rounded, times the weight, rounded
+            xv = tl.load(X + k0 + cols, mask=km, other=0.0)
+            nw = tl.load(NW + k0 + cols, mask=km, other=0.0)
+            xn = (xv.to(tl.float32) * rstd).to(xv.dtype).to(tl.float32) * nw.to(tl.float32)
+            x = xn.to(xv.dtype).to(tl.float32)
+        else:
+            x = tl.load(X + k0 + cols, mask=km, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+        nxt = k0 + BLOCK_K  # the next chunk's load overlaps this chunk's arithmetic
+        w = tl.load(w_ptr + nxt, mask=rm[:, None] & (nxt + cols < k_end)[None, :], other=0.0)
+    y = tl.sum(acc, 1)
+    if SPLIT == 1:
+        if ADD:
+            r = tl.load(R + rows, mask=rm, other=0.0)
+            y = y.to(Y.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
+        tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rm)
+    else:  # fp32 partials [SPLIT, N]
+        tl.store(Y + split * N + rows, y, mask=rm)
 
 
 @triton.jit
@@ -141,12 +127,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig = GemvConfig(
     if residual is not None and (residual.numel() != n or not residual.is_contiguous()):
         raise ValueError(f"gemv: residual of shape {tuple(residual.shape)} does not fit {n} output rows.")
     launch = dict(launch_pdl=True) if pdl else {}
-    row_iters = max(1, c.rows_per_program)
-    _gemv_kernel[(triton.cdiv(triton.cdiv(n, c.block_n), row_iters), splits)](
+    _gemv_kernel[(triton.cdiv(n, c.block_n), splits)](
         x, weight, out, res, norm_weight if norm_weight is not None else x, k, per_split, weight.stride(0), n, eps,
         BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=splits, NORM=norm_weight is not None,
         NORM_BLOCK=min(8192, triton.next_power_of_2(k)), SILU=silu, ADD=residual is not None, PDL=pdl,
-        ROW_ITERS=row_iters, num_warps=c.num_warps, **launch)
+        num_warps=c.num_warps, **launch)
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(n, 1024),)](out, y, res, n, SPLIT=splits, BLOCK=1024,
                                                     ADD=residual is not None, PDL=pdl, **launch)
