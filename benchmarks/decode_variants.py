@@ -26,11 +26,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import environment  # noqa: E402
 from gpu_decode import generate, gpu_copy_bandwidth, graph_step_ms, llama8b_loaded, weight_bytes  # noqa: E402
 
-def _switches(fused: str, attn: str, prefetch: str, pdl: str, splits: str = "16", prefetch_bytes: str = "0",
-              v_early: str = "0") -> dict[str, str]:
+def _switches(fused: str, attn: str, prefetch: str, pdl: str, splits: str = "16") -> dict[str, str]:
     return {"TERCEL_FUSED_DECODE": fused, "TERCEL_DECODE_ATTN": attn, "TERCEL_L2_PREFETCH": prefetch, "TERCEL_PDL": pdl,
-            "TERCEL_DECODE_MAX_SPLITS": splits, "TERCEL_L2_PREFETCH_BYTES": prefetch_bytes,
-            "TERCEL_DECODE_V_EARLY": v_early}
+            "TERCEL_DECODE_MAX_SPLITS": splits}
 
 
 VARIANTS = {  # name -> environment switches (tercel/kernels/__init__.py); the first is the default
@@ -41,10 +39,6 @@ VARIANTS = {  # name -> environment switches (tercel/kernels/__init__.py); the f
     "fused_pdl": _switches("1", "rope", "0", "1"),
     "fused_splits4": _switches("1", "rope", "0", "0", "4"),
     "fused_splits1": _switches("1", "rope", "0", "0", "1"),
-    "fused_splits32": _switches("1", "rope", "0", "0", "32"),
-    "fused_v_early": _switches("1", "rope", "0", "0", v_early="1"),
-    "fused_prefetch_4mb": _switches("1", "rope", "1", "0", prefetch_bytes=str(4 << 20)),
-    "fused_prefetch_12mb": _switches("1", "rope", "1", "0", prefetch_bytes=str(12 << 20)),
     "unfused": _switches("0", "split", "0", "0"),
 }
 

@@ -249,10 +249,8 @@ def check_decode_rope(device: str, dtype: torch.dtype) -> None:
     loc = bt.gather(1, (pos // page)[:, None])[:, 0] * page + pos % page  # the new token's slot
     counters = torch.zeros(b * nkv + 3, dtype=torch.int32, device=device)
     scale = d ** -0.5
-    early = os.environ.get("TERCEL_DECODE_V_EARLY")
-    for splits, window, v_early in [(s, w, e) for s in (1, 3, 8) for w in (None, 40) for e in "01"]:
-        os.environ["TERCEL_DECODE_V_EARLY"] = v_early  # values loaded with the keys, or after the scores
-        try:
+    for splits in (1, 3, 8):
+        for window in (None, 40):
             kc_ref, vc_ref, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
             q = rope_store(qk, v, cos, sin, loc, kc_ref, vc_ref, nq)
             want = decode_attention(q, kc_ref, vc_ref, bt, sl, page, scale, splits, window=window)
@@ -267,11 +265,6 @@ def check_decode_rope(device: str, dtype: torch.dtype) -> None:
             kc2[loc] = kc_ref[loc]
             assert torch.equal(kc2, kc_ref), "keys written outside out_cache_loc"
             assert int(counters.abs().sum()) == 0, "split counters must be left at zero"
-        finally:
-            if early is None:
-                os.environ.pop("TERCEL_DECODE_V_EARLY", None)
-            else:
-                os.environ["TERCEL_DECODE_V_EARLY"] = early
 
 
 def check_argmax(device: str, dtype: torch.dtype) -> None:

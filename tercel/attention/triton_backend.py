@@ -15,8 +15,7 @@ import torch
 
 from ..forward_batch import ForwardBatch
 from ..graphs.breakable import eager_break
-from ..kernels import (decode_attention_mode, decode_max_splits, fused_decode_enabled, l2_prefetch_bytes,
-                       l2_prefetch_enabled)
+from ..kernels import decode_attention_mode, decode_max_splits, fused_decode_enabled, l2_prefetch_enabled
 from ..kernels.attention import decode_attention, decode_attention_rope, decode_splits, extend_attention
 from ..kernels.fused import rope_store
 from ..kv import PagedKVCache
@@ -110,9 +109,6 @@ class TritonAttentionBackend(AttentionBackend):
         """prefetch: the weight that reads this output (o_proj), pulled into L2 while decode attention runs."""
         # weight-bound batches only: a large batch's attention has its own bytes to move
         prefetch = prefetch if meta.decode and qk.shape[0] <= PREFETCH_MAX_BATCH and l2_prefetch_enabled() else None
-        cap = l2_prefetch_bytes()
-        if prefetch is not None and cap:  # the first rows only: less traffic beside attention's own loads
-            prefetch = prefetch.reshape(-1)[:cap // prefetch.element_size()]
         mode = decode_attention_mode() if meta.decode and fused_decode_enabled() else "split"
         if mode == "one" and meta.num_splits > 1 and self.split_counters(qk.shape[0], qk.device) is None:
             mode = "rope"

@@ -10,8 +10,7 @@ Switches for side-by-side measurements (benchmarks/decode_variants.py):
                           kernel after), one (the merge in the same launch, by the last split), split (the
                           separate rope_store kernel before)
   TERCEL_L2_PREFETCH=1    decode attention pulls the o_proj weight into L2 while it runs (measured slower
-                          on the H200: off by default); TERCEL_L2_PREFETCH_BYTES=N pulls only its first N bytes
-  TERCEL_DECODE_V_EARLY=1 decode attention loads each block's values with its keys, not after the scores
+                          on the H200: off by default)
   TERCEL_DECODE_MAX_SPLITS  most split-KV programs per (request, KV head) in decode attention (default 16)
   TERCEL_PDL=1            programmatic dependent launch for the decode GEMVs and attention (measured slower
                           on the H200: off by default)
@@ -67,15 +66,6 @@ def decode_attention_mode() -> str:
 
 def l2_prefetch_enabled() -> bool:
     return os.environ.get("TERCEL_L2_PREFETCH", "0") == "1"
-
-
-def l2_prefetch_bytes() -> int:
-    """Most bytes of the o_proj weight decode attention prefetches (0: all of it)."""
-    return max(0, int(os.environ.get("TERCEL_L2_PREFETCH_BYTES", "0")))
-
-
-def decode_v_early() -> bool:
-    return os.environ.get("TERCEL_DECODE_V_EARLY", "0") == "1"
 
 
 def decode_max_splits() -> int:

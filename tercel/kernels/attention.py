@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import decode_v_early, pdl_enabled
+from . import pdl_enabled
 
 LOG2E = 1.4426950408889634
 
@@ -41,10 +41,8 @@ def _prefetch_l2(P, nbytes, pid, nprog, NT: tl.constexpr):
 @triton.jit
 def _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
                  qk_scale, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 IEEE: tl.constexpr, V_EARLY: tl.constexpr = False):
-    """Online softmax of q [GROUP_PAD, D] over one KV head's keys [start, end): (max, sum, unnormalised out).
-    V_EARLY: each block's values are loaded with its keys, not after the scores (decode splits are short,
-    often one block: one dependent memory round trip fewer)."""
+                 IEEE: tl.constexpr):
+    """Online softmax of q [GROUP_PAD, D] over one KV head's keys [start, end): (max, sum, unnormalised out)."""
     d = tl.arange(0, HEAD_DIM)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -55,9 +53,6 @@ def _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stri
         page = tl.load(BT + b * stride_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
         slot = page * PAGE + pos % PAGE
         k = tl.load(KC + slot[:, None] * stride_kcs + kvh * stride_kch + d[None, :], mask=valid[:, None], other=0.0)
-        if V_EARLY:
-            v = tl.load(VC + slot[:, None] * stride_vcs + kvh * stride_vch + d[None, :], mask=valid[:, None],
-                        other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -67,9 +62,7 @@ def _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stri
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if not V_EARLY:
-            v = tl.load(VC + slot[:, None] * stride_vcs + kvh * stride_vch + d[None, :], mask=valid[:, None],
-                        other=0.0)
+        v = tl.load(VC + slot[:, None] * stride_vcs + kvh * stride_vch + d[None, :], mask=valid[:, None], other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -120,7 +113,7 @@ def _decode_split_kernel(Q, KC, VC, BT, SL, O, PO, PL, PF, pf_bytes,
     heads = kvh * GROUP + g
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
     m_i, l_i, acc = _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stride_vcs, stride_vch,
-                                 stride_bt, qk_scale, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, IEEE, False)
+                                 stride_bt, qk_scale, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, IEEE)
     _store_split(m_i, l_i, acc, O, PO, PL, b, heads, gm, d, split, stride_ob, stride_oh, stride_pob, stride_poh,
                  stride_pos, stride_plb, stride_plh, NUM_SPLITS)
 
@@ -301,7 +294,7 @@ def _decode_rope_kernel(QK, V, COS, SIN, LOC, KC, VC, BT, SL, O, PO, PL, CNT, PF
                         NQ: tl.constexpr, NKV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                         SPLITS_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr,
-                        PREFETCH: tl.constexpr, V_EARLY: tl.constexpr):
+                        PREFETCH: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -339,7 +332,7 @@ def _decode_rope_kernel(QK, V, COS, SIN, LOC, KC, VC, BT, SL, O, PO, PL, CNT, PF
     xp = tl.load(qp + partner[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
     q = (x.to(tl.float32) * c[None, :] + sign[None, :] * xp * sn[None, :]).to(x.dtype)
     m_i, l_i, acc = _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stride_vcs, stride_vch,
-                                 stride_bt, qk_scale, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, IEEE, V_EARLY)
+                                 stride_bt, qk_scale, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, IEEE)
     _store_split(m_i, l_i, acc, O, PO, PL, b, heads, gm, d, split, stride_ob, stride_oh, stride_pob, stride_poh,
                  stride_pos, stride_plb, stride_plh, NUM_SPLITS)
     if NUM_SPLITS > 1 and MERGE:
@@ -410,8 +403,7 @@ def decode_attention_rope(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, 
         NQ=heads, NKV=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         PAGE=page_size, BLOCK_N=64 if dim <= 128 else 32, NUM_SPLITS=num_splits,
         SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), IEEE=qk.dtype == torch.float32, PDL=pdl,
-        MERGE=merge_in_kernel, PREFETCH=pf_on, V_EARLY=decode_v_early(), num_warps=4, num_stages=2,
-        **(dict(launch_pdl=True) if pdl else {}))
+        MERGE=merge_in_kernel, PREFETCH=pf_on, num_warps=4, num_stages=2, **(dict(launch_pdl=True) if pdl else {}))
     if num_splits > 1 and not merge_in_kernel:
         _decode_merge_kernel[(bsz, heads)](
             part_o, part_l, out, *po_strides, *pl_strides, out.stride(0), out.stride(1),
