@@ -294,7 +294,7 @@ def _decode_rope_kernel(QK, V, COS, SIN, LOC, KC, VC, BT, SL, O, PO, PL, CNT, PF
                         NQ: tl.constexpr, NKV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                         SPLITS_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr,
-                        PREFETCH: tl.constexpr):
+                        PREFETCH: tl.constexpr, GROUP_M: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -340,19 +340,22 @@ def _decode_rope_kernel(QK, V, COS, SIN, LOC, KC, VC, BT, SL, O, PO, PL, CNT, PF
         # thread's partials are stored before the release, and read (past L1) after the acquire
         tl.debug_barrier()
         arrived = tl.atomic_add(CNT + b * NKV + kvh, 1, sem="acq_rel", scope="gpu")
-        if arrived == NUM_SPLITS - 1:
+        if arrived == NUM_SPLITS - 1:  # every head of the group at once: one round of loads, not GROUP
             s = tl.arange(0, SPLITS_PAD)
             sm = s < NUM_SPLITS
-            for gi in tl.static_range(GROUP):  # as _decode_merge_kernel, one head at a time
-                h = kvh * GROUP + gi
-                ls = tl.load(PL + b * stride_plb + h * stride_plh + s, mask=sm, other=float("-inf"),
-                             cache_modifier=".cg")
-                mx = tl.max(ls, 0)
-                w = tl.where(sm & (ls > float("-inf")), tl.exp2(ls - mx), 0.0)
-                po = tl.load(PO + b * stride_pob + h * stride_poh + s[:, None] * stride_pos + d[None, :],
-                             mask=sm[:, None], other=0.0, cache_modifier=".cg")
-                merged = tl.sum(po * w[:, None], 0) / tl.sum(w, 0)
-                tl.store(O + b * stride_ob + h * stride_oh + d, merged.to(O.dtype.element_ty))
+            gi = tl.arange(0, GROUP_M)
+            h = kvh * GROUP + gi
+            hm = gi < GROUP
+            lm = hm[:, None] & sm[None, :]
+            ls = tl.load(PL + b * stride_plb + h[:, None] * stride_plh + s[None, :], mask=lm, other=float("-inf"),
+                         cache_modifier=".cg")
+            po = tl.load(PO + b * stride_pob + h[:, None, None] * stride_poh + s[None, :, None] * stride_pos
+                         + d[None, None, :], mask=lm[:, :, None], other=0.0, cache_modifier=".cg")
+            mx = tl.max(ls, 1)
+            w = tl.where(lm & (ls > float("-inf")), tl.exp2(ls - mx[:, None]), 0.0)
+            merged = tl.sum(po * w[:, :, None], 1) / tl.sum(w, 1)[:, None]
+            tl.store(O + b * stride_ob + h[:, None] * stride_oh + d[None, :], merged.to(O.dtype.element_ty),
+                     mask=hm[:, None])
             tl.atomic_xchg(CNT + b * NKV + kvh, 0, sem="relaxed", scope="gpu")  # ready for the next layer
 
 
@@ -403,7 +406,8 @@ def decode_attention_rope(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, 
         NQ=heads, NKV=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         PAGE=page_size, BLOCK_N=64 if dim <= 128 else 32, NUM_SPLITS=num_splits,
         SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), IEEE=qk.dtype == torch.float32, PDL=pdl,
-        MERGE=merge_in_kernel, PREFETCH=pf_on, num_warps=4, num_stages=2, **(dict(launch_pdl=True) if pdl else {}))
+        MERGE=merge_in_kernel, PREFETCH=pf_on, GROUP_M=max(2, triton.next_power_of_2(group)), num_warps=4,
+        num_stages=2, **(dict(launch_pdl=True) if pdl else {}))
     if num_splits > 1 and not merge_in_kernel:
         _decode_merge_kernel[(bsz, heads)](
             part_o, part_l, out, *po_strides, *pl_strides, out.stride(0), out.stride(1),
