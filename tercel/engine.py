@@ -143,7 +143,7 @@ class LLMEngine:
         self.overlap_schedule = (self.device.type == "cuda" if disable_overlap_schedule is None
                                  else not disable_overlap_schedule)
         self._inflight: InflightWindow | None = None
-        self._download_stream = None  # CUDA: the stream that brings window tokens to the host
+        self._download_stream = None  # CUDA (set with the stager): the stream that brings window tokens to the host
         self.dtype = parse_dtype(dtype, self.device)
         self.rng = torch.Generator().manual_seed(seed)
         if loaded is None:
@@ -189,6 +189,7 @@ class LLMEngine:
             from .graphs.staging import HostStager
 
             self._stager = HostStager(self.device)
+            self._download_stream = torch.cuda.Stream(self.device)
             # batch-1 linears: cuBLAS or the Triton GEMV, whichever this GPU runs faster (measured once per model)
             self.gemv_choices = getattr(self.model, "gemv_choices", None)
             if tune_gemv and self.gemv_choices is None and self.dtype in (torch.bfloat16, torch.float16):
@@ -404,17 +405,14 @@ class LLMEngine:
         tokens = torch.stack(step_tokens)
         if tokens.is_cuda:  # a sync-free copy: .tolist() here would also wait for any window launched after
             # on its own stream, so the next window's kernels need not queue behind the copy's latency
-            chosen = torch.cuda.Event()
-            chosen.record()
-            if self._download_stream is None:
-                self._download_stream = torch.cuda.Stream(self.device)
+            down = self._download_stream
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            with torch.cuda.stream(self._download_stream):
-                self._download_stream.wait_event(chosen)
+            down.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(down):
                 host.copy_(tokens, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record()
-            tokens.record_stream(self._download_stream)
+            tokens.record_stream(down)
             return InflightWindow(reqs, num_steps, tokens, host, ready)
         return InflightWindow(reqs, num_steps, tokens, tokens, None)
 
