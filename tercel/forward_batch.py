@@ -29,7 +29,7 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor  # [T] int64: KV slot each token's K/V is written to
     seq_lens: torch.Tensor  # [B] int64: KV length of each request after this step
     block_tables: torch.Tensor  # [B, max_blocks] int64
-    logits_indices: torch.Tensor  # [L] int64: rows of T whose logits are wanted
+    logits_indices: torch.Tensor  # [L] int64: rows of T whose logits are wanted, sorted and distinct
     query_lens: list[int]  # host copy: tokens per request this step
     seq_lens_cpu: list[int]  # host copy of seq_lens
     # Tree verify: per request a [q, q] bool mask among its new tokens (None: causal).

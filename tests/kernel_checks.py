@@ -191,6 +191,8 @@ def check_gemv(device: str, dtype: torch.dtype) -> None:
             y = gemv(x, w, c)
             assert y.shape == (1, n) and y.dtype == dtype
             assert _rel(y, ref) < _tol(dtype), (n, k, c)
+            y32 = gemv(x, w, c, out_dtype=torch.float32)  # fp32 logits: the same values, widened
+            assert y32.dtype == torch.float32 and torch.equal(y32, y.float()), (n, k, c, "out_dtype")
     lin = Linear(64, 48, bias=False).to(device, dtype)
     lin.gemv = GemvConfig(block_n=8, block_k=32, split_k=2)
     x = torch.randn(1, 64, generator=g).to(device, dtype)
@@ -198,6 +200,9 @@ def check_gemv(device: str, dtype: torch.dtype) -> None:
         assert _rel(lin(x), F.linear(x.double(), lin.weight.double())) < _tol(dtype)
         x3 = torch.randn(3, 64, generator=g).to(device, dtype)  # several rows: cuBLAS
         assert torch.equal(lin(x3), F.linear(x3, lin.weight))
+        from tercel.models.linear import linear
+        for rows in (x, x3):  # out_dtype: GEMV-stored or widened after cuBLAS, the same values
+            assert torch.equal(linear(rows, lin.weight, lin.gemv, out_dtype=torch.float32), lin(rows).float())
 
 
 def check_gemv_fused(device: str, dtype: torch.dtype) -> None:
@@ -225,6 +230,21 @@ def check_gemv_fused(device: str, dtype: torch.dtype) -> None:
             assert _rel(gemv(x, w, c, residual=r), want_add) < _tol(dtype) / 4, (n, k, c, "add")
         ref = F.linear(rms_norm(x, nw, 1e-5).double(), w.double())  # and against float64
         assert _rel(gemv(x, w, configs[1], norm_weight=nw, eps=1e-5), ref) < _tol(dtype)
+        # norm_after: the rms applied to the fp32 product (no rounding of the normed row), so measured
+        # against the exact float64 norm + product, and at least as close to it as the unfused kernels
+        xd = x.double()
+        exact = F.linear(xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.double(), w.double())
+        for c in (GemvConfig(block_n=8, block_k=128, norm_after=True), GemvConfig(block_n=4, block_k=64, norm_after=True)):
+            y = gemv(x, w, c, norm_weight=nw, eps=1e-5)
+            assert y.shape == (1, n) and y.dtype == dtype
+            assert _rel(y, exact) <= max(_rel(want_norm, exact), 1e-6) * 1.5 + (1e-6 if dtype == torch.float32 else 4e-3), (n, k, c)
+            assert torch.equal(gemv(x, w, c, norm_weight=nw, eps=1e-5, out_dtype=torch.float32), y.float())
+        try:
+            gemv(x, w, GemvConfig(block_n=8, block_k=64, split_k=2, norm_after=True), norm_weight=nw, eps=1e-5)
+        except ValueError as e:
+            assert "norm_after" in str(e) or "split_k=1" in str(e)
+        else:
+            raise AssertionError("norm_after with split_k > 1 must be refused")
 
 
 def check_decode_rope(device: str, dtype: torch.dtype) -> None:

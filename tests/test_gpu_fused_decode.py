@@ -22,11 +22,13 @@ def _fuse_all(model) -> None:
 
     config = GemvConfig(block_n=8, block_k=32)
     split = GemvConfig(block_n=8, block_k=32, split_k=2)  # one role with split-K: the epilogue in the sum kernel
+    after = GemvConfig(block_n=8, block_k=32, norm_after=True)  # one RMSNorm role scaling after the product
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
-        a.qkv_fused, a.o_fused, m.gate_up_fused, m.down_fused = config, split, config, split
+        a.qkv_fused, a.o_fused, m.gate_up_fused, m.down_fused = config, split, after, split
         for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
             lin.gemv = config
+    model.lm_head_fused = after  # the final norm in the head's GEMV, fp32 logits stored directly
 
 
 def _steps(model, kv, reqs, rows, n, fused: bool, run=None) -> list[torch.Tensor]:

@@ -11,9 +11,14 @@ than cuBLAS inside a CUDA graph; benchmarks/gemv_probe.py shows the same compari
 Batch-1 decode also folds the small ops around each linear into it (one launch instead of two),
 with the rounding of the unfused kernels in fused.py:
   norm_weight  prologue RMSNorm: x is the residual row; every program recomputes its rms over K
-               (K reads from L2, cheap beside its BLOCK_N x K weights) and normalises each chunk
+               (K reads from L2, cheap beside its BLOCK_N x K weights) and normalises each chunk.
+               With config.norm_after the pre-pass goes: the sum of squares is gathered in the main
+               loop and the fp32 dot product W (x * w) is scaled by 1/rms at the end (one pass over x;
+               not the unfused rounding, but closer to exact: no bf16 rounding of the normed row)
   silu         prologue SwiGLU: x is the gate_up row [2K], the input is silu(gate) * up
   residual     epilogue: returns residual + x @ W^T (the product rounded first, as an add after it)
+out_dtype=torch.float32 stores the product rounded to x's dtype and widened (the lm_head's logits:
+the values of `linear(x, W).float()` without the extra copy kernel).
 With pdl the first weight chunk is read before griddepcontrol.wait, so it streams while the previous
 kernel drains; nothing the previous kernel writes is read, and nothing is written, before the wait.
 """
@@ -34,12 +39,13 @@ class GemvConfig:
     block_k: int = 512
     split_k: int = 1
     num_warps: int = 4
+    norm_after: bool = False  # RMSNorm prologue only: scale the dot product by 1/rms (one pass; split_k 1)
 
 
 @triton.jit
 def _gemv_kernel(X, W, Y, R, NW, K, K_PER_SPLIT, stride_w, N, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, SILU: tl.constexpr,
-                 ADD: tl.constexpr, PDL: tl.constexpr):
+                 SPLIT: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_AFTER: tl.constexpr,
+                 SILU: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -54,13 +60,14 @@ def _gemv_kernel(X, W, Y, R, NW, K, K_PER_SPLIT, stride_w, N, eps, BLOCK_N: tl.c
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     rstd = 0.0
-    if NORM:  # the rms of the whole row, in one read when K fits NORM_BLOCK
+    ss = tl.zeros([BLOCK_K], tl.float32)
+    if NORM and not NORM_AFTER:  # the rms of the whole row, in one read when K fits NORM_BLOCK
         nc = tl.arange(0, NORM_BLOCK)
-        ss = tl.zeros([NORM_BLOCK], tl.float32)
+        ssn = tl.zeros([NORM_BLOCK], tl.float32)
         for n0 in range(0, K, NORM_BLOCK):
             xv = tl.load(X + n0 + nc, mask=n0 + nc < K, other=0.0).to(tl.float32)
-            ss += xv * xv
-        rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+            ssn += xv * xv
+        rstd = tl.rsqrt(tl.sum(ssn, 0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         km = k0 + cols < k_end
@@ -70,6 +77,10 @@ def _gemv_kernel(X, W, Y, R, NW, K, K_PER_SPLIT, stride_w, N, eps, BLOCK_N: tl.c
             gf = g.to(tl.float32)
             s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
             x = (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+        elif NORM_AFTER:  # x * w exact in fp32; 1/rms after the loop
+            xv = tl.load(X + k0 + cols, mask=km, other=0.0).to(tl.float32)
+            ss += xv * xv
+            x = xv * tl.load(NW + k0 + cols, mask=km, other=0.0).to(tl.float32)
         elif NORM:  # as fused.rms_norm: normalised value rounded, times the weight, rounded
             xv = tl.load(X + k0 + cols, mask=km, other=0.0)
             nw = tl.load(NW + k0 + cols, mask=km, other=0.0)
@@ -81,17 +92,20 @@ def _gemv_kernel(X, W, Y, R, NW, K, K_PER_SPLIT, stride_w, N, eps, BLOCK_N: tl.c
         nxt = k0 + BLOCK_K  # the next chunk's load overlaps this chunk's arithmetic
         w = tl.load(w_ptr + nxt, mask=rm[:, None] & (nxt + cols < k_end)[None, :], other=0.0)
     y = tl.sum(acc, 1)
+    if NORM_AFTER:
+        y = y * tl.rsqrt(tl.sum(ss, 0) / K + eps)
     if SPLIT == 1:
+        y = y.to(X.dtype.element_ty).to(tl.float32)  # rounded as an op in x's dtype (also for fp32 logits)
         if ADD:
             r = tl.load(R + rows, mask=rm, other=0.0)
-            y = y.to(Y.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
+            y = (y + r.to(tl.float32)).to(X.dtype.element_ty).to(tl.float32)
         tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rm)
     else:  # fp32 partials [SPLIT, N]
         tl.store(Y + split * N + rows, y, mask=rm)
 
 
 @triton.jit
-def _sum_splits_kernel(P, Y, R, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+def _sum_splits_kernel(P, Y, R, X, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -100,24 +114,28 @@ def _sum_splits_kernel(P, Y, R, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr, ADD
     acc = tl.zeros([BLOCK], tl.float32)
     for s in range(SPLIT):
         acc += tl.load(P + s * N + offs, mask=m, other=0.0)
+    acc = acc.to(X.dtype.element_ty).to(tl.float32)  # X: only its dtype, the one every op rounds to
     if ADD:
         r = tl.load(R + offs, mask=m, other=0.0)
-        acc = acc.to(Y.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
+        acc = (acc + r.to(tl.float32)).to(X.dtype.element_ty).to(tl.float32)
     tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=m)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig = GemvConfig(), *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
-         residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [1, K] contiguous (silu: [1, 2K], gate first), weight: [N, K] row-major -> [1, N] in x's dtype.
-    norm_weight: multiply by rms_norm(x) instead of x; residual [1, N]: return residual + product."""
+         residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x: [1, K] contiguous (silu: [1, 2K], gate first), weight: [N, K] row-major -> [1, N] in x's dtype
+    (or out_dtype, holding the x-dtype values). norm_weight: multiply by rms_norm(x) instead of x;
+    residual [1, N]: return residual + product."""
     n, k = weight.shape
     if norm_weight is not None and silu:
         raise ValueError("gemv: a prologue is either the RMSNorm or the SwiGLU, not both.")
+    if config.norm_after and (norm_weight is None or config.split_k != 1):
+        raise ValueError(f"gemv: {config} scales by the rms after the product; it needs norm_weight and split_k=1.")
     if x.shape[-1] != (2 * k if silu else k) or not x.is_contiguous():
         raise ValueError(f"gemv: x of shape {tuple(x.shape)} does not fit a [{n}, {k}] weight (silu={silu}).")
     c = config
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     # each split covers whole BLOCK_K chunks, so only the last chunk of K can be ragged
     per_split = triton.cdiv(triton.cdiv(k, c.split_k), c.block_k) * c.block_k
     splits = triton.cdiv(k, per_split)
@@ -130,9 +148,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig = GemvConfig(
     _gemv_kernel[(triton.cdiv(n, c.block_n), splits)](
         x, weight, out, res, norm_weight if norm_weight is not None else x, k, per_split, weight.stride(0), n, eps,
         BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=splits, NORM=norm_weight is not None,
-        NORM_BLOCK=min(8192, triton.next_power_of_2(k)), SILU=silu, ADD=residual is not None, PDL=pdl,
+        NORM_BLOCK=min(8192, triton.next_power_of_2(k)), NORM_AFTER=c.norm_after, SILU=silu, ADD=residual is not None, PDL=pdl,
         num_warps=c.num_warps, **launch)
     if splits > 1:
-        _sum_splits_kernel[(triton.cdiv(n, 1024),)](out, y, res, n, SPLIT=splits, BLOCK=1024,
+        _sum_splits_kernel[(triton.cdiv(n, 1024),)](out, y, res, x, n, SPLIT=splits, BLOCK=1024,
                                                     ADD=residual is not None, PDL=pdl, **launch)
     return y

@@ -9,15 +9,18 @@ The fused batch-1 decode of models/llama.py folds small ops into four GEMV roles
 the same way against what that decode runs without it, cuBLAS (or the plain GEMV, whichever won above)
 plus the kernels it absorbs:
   qkv, gate_up  RMSNorm prologue        vs rms_norm + linear
+  lm_head       final RMSNorm prologue  vs rms_norm + linear (fp32 logits stored by both)
   o             residual-add epilogue   vs linear + add
   down          SwiGLU prologue + add   vs silu_mul + linear + add
 and kept where it wins by 1% (both sides run the same weights, so a smaller margin than the plain choice's).
+The RMSNorm roles also try each unsplit config with norm_after (the rms applied after the product, one
+pass over x instead of a pre-pass per program).
 """
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -98,11 +101,13 @@ def tune_shape(weights: list[torch.Tensor], candidates=CANDIDATES) -> GemvChoice
                       best[1] if keep else None)
 
 
-ROLES = {"qkv": "norm", "gate_up": "norm", "o": "add", "down": "silu_add"}
+ROLES = {"qkv": "norm", "gate_up": "norm", "lm_head": "norm", "o": "add", "down": "silu_add"}
 
 
-def _linear_fn(config: GemvConfig | None):
-    return (lambda x, w: F.linear(x, w)) if config is None else (lambda x, w: gemv(x, w, config))
+def _linear_fn(config: GemvConfig | None, out_dtype: torch.dtype | None = None):
+    if config is None:
+        return (lambda x, w: F.linear(x, w)) if out_dtype is None else (lambda x, w: F.linear(x, w).to(out_dtype))
+    return lambda x, w: gemv(x, w, config, out_dtype=out_dtype)
 
 
 def tune_role(role: str, weights: list[torch.Tensor], plain: GemvConfig | None,
@@ -115,10 +120,11 @@ def tune_role(role: str, weights: list[torch.Tensor], plain: GemvConfig | None,
     x = torch.randn(1, 2 * k if kind == "silu_add" else k, device=dev, dtype=dt, generator=g)
     r = torch.randn(1, n, device=dev, dtype=dt, generator=g)
     nw = (1 + 0.1 * torch.randn(k, device=dev, generator=g)).to(dt)
-    lin = _linear_fn(plain)
+    out_dtype = torch.float32 if role == "lm_head" else None  # the logits are fp32
+    lin = _linear_fn(plain, out_dtype)
     if kind == "norm":
         ref = lambda w: lin(rms_norm(x, nw, 1e-5), w)  # noqa: E731
-        fused = lambda w, c: gemv(x, w, c, norm_weight=nw, eps=1e-5)  # noqa: E731
+        fused = lambda w, c: gemv(x, w, c, norm_weight=nw, eps=1e-5, out_dtype=out_dtype)  # noqa: E731
         want = F.linear(rms_norm(x, nw, 1e-5), weights[0]).float()
     elif kind == "add":
         ref = lambda w: r + lin(x, w)  # noqa: E731
@@ -131,6 +137,8 @@ def tune_role(role: str, weights: list[torch.Tensor], plain: GemvConfig | None,
     t_ref = _graph_time(lambda: [ref(w) for w in weights])
     # with 16384+ rows there are plenty of row programs already: no split-K
     fit = [c for c in candidates if not (c.split_k > 1 and n >= 16384)]
+    if kind == "norm":
+        fit += [replace(c, norm_after=True) for c in fit if c.split_k == 1 and not c.norm_after]
     best = _fastest(fused, want, weights, fit, f"fused gemv {role}")
     per = 1e6 / len(weights)
     keep = best is not None and best[0] < MIN_GAIN_FUSED * t_ref
@@ -140,25 +148,28 @@ def tune_role(role: str, weights: list[torch.Tensor], plain: GemvConfig | None,
 
 def _tune_fused(model: torch.nn.Module) -> list[GemvChoice]:
     """Measure and set the fused decode roles of a Llama-family model (nothing for other models)."""
-    from ..models.llama import MLP, Attention
+    from ..models.llama import MLP, Attention, LlamaForCausalLM
 
-    slots = {"qkv": [], "o": [], "gate_up": [], "down": []}  # (module, attribute, linear)
+    # (module, attribute, weight, the weight's plain choice)
+    slots: dict[str, list] = {"qkv": [], "o": [], "gate_up": [], "down": [], "lm_head": []}
     for m in model.modules():
         if isinstance(m, Attention) and m.qkv_proj.bias is None and m.qkv_proj.weight.is_cuda:
-            slots["qkv"].append((m, "qkv_fused", m.qkv_proj))
-            slots["o"].append((m, "o_fused", m.o_proj))
+            slots["qkv"].append((m, "qkv_fused", m.qkv_proj.weight, m.qkv_proj.gemv))
+            slots["o"].append((m, "o_fused", m.o_proj.weight, m.o_proj.gemv))
         elif isinstance(m, MLP) and m.gate_up_proj.weight.is_cuda:
-            slots["gate_up"].append((m, "gate_up_fused", m.gate_up_proj))
-            slots["down"].append((m, "down_fused", m.down_proj))
+            slots["gate_up"].append((m, "gate_up_fused", m.gate_up_proj.weight, m.gate_up_proj.gemv))
+            slots["down"].append((m, "down_fused", m.down_proj.weight, m.down_proj.gemv))
+        elif isinstance(m, LlamaForCausalLM) and m.lm_head_weight.is_cuda:
+            slots["lm_head"].append((m, "lm_head_fused", m.lm_head_weight, m.lm_head_config))
     measured = []
     for role, items in slots.items():
         by_shape: dict[tuple[tuple[int, int], GemvConfig | None], list] = defaultdict(list)
         for item in items:
-            by_shape[(tuple(item[2].weight.shape), item[2].gemv)].append(item)
+            by_shape[(tuple(item[2].shape), item[3])].append(item)
         for (_, plain), group in by_shape.items():
-            measured.append((group, tune_role(role, [lin.weight for _, _, lin in group], plain)))
+            measured.append((group, tune_role(role, [w for _, _, w, _ in group], plain)))
     for group, choice in measured:  # all measured first, as in tune_model
-        for mod, attr, _ in group:
+        for mod, attr, _, _ in group:
             setattr(mod, attr, choice.config)
     return [c for _, c in measured]
 

@@ -17,19 +17,23 @@ from ..kernels import use_triton
 from .cpu_linear import CpuPackedLinear, PackedDense, wants_cpu_packing
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, gemv_config=None, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, gemv_config=None, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), through the tuned GEMV when one is set, there is no bias and x is a
     single row. (The model calls this on its Linear modules' tensors instead of calling the modules:
-    the module-call overhead shows on a CPU decode step.)"""
+    the module-call overhead shows on a CPU decode step.) out_dtype: the result widened to it, e.g.
+    fp32 logits; the GEMV stores them so directly, without a copy kernel."""
     if isinstance(gemv_config, CpuPackedLinear):
-        return gemv_config(x, bias)
-    if bias is not None:
-        return F.linear(x, weight, bias)
-    if gemv_config is not None and x.dim() == 2 and x.shape[0] == 1 and use_triton(x, weight):
+        y = gemv_config(x, bias)
+    elif bias is not None:
+        y = F.linear(x, weight, bias)
+    elif gemv_config is not None and x.dim() == 2 and x.shape[0] == 1 and use_triton(x, weight):
         from ..kernels.gemv import gemv
 
-        return gemv(x if x.is_contiguous() else x.contiguous(), weight, gemv_config)
-    return F.linear(x, weight)
+        return gemv(x if x.is_contiguous() else x.contiguous(), weight, gemv_config, out_dtype=out_dtype)
+    else:
+        y = F.linear(x, weight)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 class Linear(nn.Linear):

@@ -156,6 +156,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head_gemv = None  # tied head: GEMV config set by tercel.kernels.gemv_tune
+        self.lm_head_fused = None  # GemvConfig: final RMSNorm in the lm_head GEMV's prologue (batch-1 decode)
         self.rope = RotaryEmbedding(cfg, max_positions, dtype)
         self.attn_backend = TorchAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
         self.aux_layer_ids: tuple[int, ...] = ()
@@ -177,10 +178,25 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    @property
+    def lm_head_config(self):
+        """The head's kernel choice (GemvConfig / CpuPackedLinear / None), tied or not."""
+        return self.lm_head_gemv if self.lm_head is None else self.lm_head.gemv
+
     def compute_logits(self, normed_hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is not None:
-            return self.lm_head(normed_hidden).float()
-        return linear(normed_hidden, self.lm_head_weight, self.lm_head_gemv).float()
+        return linear(normed_hidden, self.lm_head_weight, self.lm_head_config, out_dtype=torch.float32)
+
+    def _decode1_head(self, h: torch.Tensor, want_normed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Batch-1 decode: (fp32 logits, final-normed hidden or None), the final RMSNorm folded into the
+        lm_head GEMV when the tuner kept that (the normed row is then made only if a capture needs it)."""
+        if self.lm_head_fused is None:
+            normed = self.norm.forward(h)
+            return self.compute_logits(normed), normed
+        from ..kernels.gemv import gemv
+
+        logits = gemv(h, self.lm_head_weight, self.lm_head_fused, norm_weight=self.norm.weight, eps=self.norm.eps,
+                      out_dtype=torch.float32)
+        return logits, self.norm.forward(h) if want_normed else None
 
     def _fused_decode1(self, h: torch.Tensor) -> bool:
         """One token on the GPU, and the tuner kept a fused GEMV for some role of every layer."""
@@ -199,6 +215,9 @@ class LlamaForCausalLM(nn.Module):
         aux_ids = self.aux_layer_ids if mode != CaptureHiddenMode.NULL else ()
         cos_sin = self.rope.lookup(batch.positions)
         aux: list[torch.Tensor] = []
+        # logits of every row (decode, verify): no gather. The rows are sorted and distinct, so as many
+        # as there are tokens means all of them.
+        every_row = batch.logits_indices.shape[0] == h.shape[0]
         if self._fused_decode1(h):  # see the module docstring: ~5 launches per layer
             for i, layer in enumerate(self.layers):
                 h = layer.self_attn.forward_decode1(h, layer.input_layernorm, cos_sin, self.attn_backend, batch,
@@ -206,7 +225,8 @@ class LlamaForCausalLM(nn.Module):
                 h = layer.mlp.forward_decode1(h, layer.post_attention_layernorm)
                 if i in aux_ids:
                     aux.append(h)
-            normed = self.norm.forward(h)
+            logits, normed = self._decode1_head(h, mode != CaptureHiddenMode.NULL and not self.aux_layer_ids)
+            return ModelOutput(logits=logits, hidden_states=self._hidden(mode, aux, normed, batch, every_row))
         else:
             # Residual stream h_i = h_(i-1) + attn + mlp; each add is fused into the norm that follows it,
             # so h_i materialises as `residual` at the start of layer i + 1 (and at the final norm).
@@ -225,16 +245,17 @@ class LlamaForCausalLM(nn.Module):
             normed, h = self.norm.add_forward(delta, residual)
             if len(self.layers) - 1 in aux_ids:
                 aux.append(h)
-        normed_last = normed[batch.logits_indices]
-        logits = self.compute_logits(normed_last)
-        hidden = None
-        if mode != CaptureHiddenMode.NULL:
-            if self.aux_layer_ids:
-                full = torch.cat(aux, dim=-1)
-            else:
-                full = normed if mode == CaptureHiddenMode.FULL else normed_last
-            hidden = full if mode == CaptureHiddenMode.FULL or not self.aux_layer_ids else full[batch.logits_indices]
-        return ModelOutput(logits=logits, hidden_states=hidden)
+        logits = self.compute_logits(normed if every_row else normed[batch.logits_indices])
+        return ModelOutput(logits=logits, hidden_states=self._hidden(mode, aux, normed, batch, every_row))
+
+    def _hidden(self, mode: CaptureHiddenMode, aux: list[torch.Tensor], normed: torch.Tensor | None,
+                batch: ForwardBatch, every_row: bool) -> torch.Tensor | None:
+        """What the capture-hidden mode asks for: the aux layers concatenated (EAGLE-3), else the final
+        normed hidden; FULL: every token's row, LAST: the logits rows'."""
+        if mode == CaptureHiddenMode.NULL:
+            return None
+        full = torch.cat(aux, dim=-1) if self.aux_layer_ids else normed
+        return full if mode == CaptureHiddenMode.FULL or every_row else full[batch.logits_indices]
 
     # ---- weights -------------------------------------------------------------------------
     def pack_cpu_linears(self, q4: dict[str, Q4Blocks]) -> None:

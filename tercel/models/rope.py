@@ -35,12 +35,23 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = inv_frequencies(cfg)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        # one [P, 2D] table, cos then sin: a forward gathers both with one index kernel
+        self.register_buffer("cos_sin", torch.cat((emb.cos(), emb.sin()), dim=-1).to(dtype), persistent=False)
+        self.dim = emb.shape[-1]
+
+    @property
+    def cos(self) -> torch.Tensor:
+        return self.cos_sin[:, :self.dim]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self.cos_sin[:, self.dim:]
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin rows for these positions, shaped [T, 1, D] to broadcast over heads (once per forward)."""
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        """cos and sin rows for these positions, shaped [T, 1, D] to broadcast over heads (once per forward;
+        views of one gathered [T, 2D] block, rows strided by 2D)."""
+        rows = self.cos_sin[positions][:, None, :]
+        return rows[..., :self.dim], rows[..., self.dim:]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
