@@ -98,6 +98,35 @@ def test_fused_decode_graph_replay_equals_eager_fp32(backend):
     torch.testing.assert_close(kv.k[:, dummy:], kv_ref.k[:, dummy:], atol=1e-4, rtol=1e-4)
 
 
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_tuner_sets_every_role_and_keeps_the_logits(dtype):
+    """tune_model measures every plain shape, the tied-or-not head (fp32 logits) and the five fused roles,
+    sets what it keeps, and the tuned batch-1 decode still computes the untuned (cuBLAS) logits."""
+    from tercel.kernels.gemv import GemvConfig
+    from tercel.kernels.gemv_tune import tune_model
+
+    model, cfg = tiny_model("cuda", dtype)
+    kv, kv_ref = kv_pool(cfg, "cuda", dtype, 200, 16), kv_pool(cfg, "cuda", dtype, 200, 16)
+    reqs, reqs_ref = FakeRequests(4, kv, cfg.vocab_size), FakeRequests(4, kv_ref, cfg.vocab_size)
+    want = _steps(model, kv_ref, reqs_ref, [1], 4, fused=False)
+    choices = tune_model(model)
+    assert {c.role for c in choices} == {"plain", "qkv", "o", "gate_up", "down", "lm_head"}
+    # the head tuned on its own (layers=1), not in the group of gate_up weights of its shape
+    head = [c for c in choices if c.role == "plain" and c.shape == (cfg.vocab_size, cfg.hidden_size) and c.layers == 1]
+    assert len(head) == 1 and model.lm_head.gemv == head[0].config
+    assert all(c.config is None or isinstance(c.config, GemvConfig) for c in choices)
+    layer = model.layers[0]
+    assert layer.self_attn.qkv_fused == next(c.config for c in choices if c.role == "qkv")
+    assert model.lm_head_fused == next(c.config for c in choices if c.role == "lm_head")
+    got = _steps(model, kv, reqs, [1], 4, fused=True)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w, atol=tol, rtol=tol)
+
+
 if __name__ == "__main__":
     import kernel_checks  # noqa: F401  (under TRITON_INTERPRET=1: patches the interpreter for NumPy 2)
 

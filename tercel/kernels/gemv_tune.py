@@ -89,12 +89,15 @@ def _fastest(run, want: torch.Tensor, weights: list[torch.Tensor], candidates,
     return best
 
 
-def tune_shape(weights: list[torch.Tensor], candidates=CANDIDATES) -> GemvChoice:
+def tune_shape(weights: list[torch.Tensor], candidates=CANDIDATES, out_dtype: torch.dtype | None = None) -> GemvChoice:
+    """out_dtype: what the caller widens the product to (the lm_head's fp32 logits): cuBLAS is timed
+    with its widening copy, the GEMV storing it directly, as the decode runs them."""
     n, k = weights[0].shape
     x = torch.randn(1, k, device=weights[0].device, dtype=weights[0].dtype)
-    t_cublas = _graph_time(lambda: [F.linear(x, w) for w in weights])
+    lin = _linear_fn(None, out_dtype)
+    t_cublas = _graph_time(lambda: [lin(x, w) for w in weights])
     ref = F.linear(x, weights[0]).float()
-    best = _fastest(lambda w, c: gemv(x, w, c), ref, weights, candidates, f"gemv {(n, k)}")
+    best = _fastest(lambda w, c: gemv(x, w, c, out_dtype=out_dtype), ref, weights, candidates, f"gemv {(n, k)}")
     per = 1e6 / len(weights)
     keep = best is not None and best[0] < MIN_GAIN * t_cublas
     return GemvChoice((n, k), len(weights), round(t_cublas * per, 2), round(best[0] * per, 2) if best else None,
@@ -180,19 +183,24 @@ def tune_model(model: torch.nn.Module) -> list[GemvChoice]:
     `gemv` config. Returns the measurements (also logged)."""
     from ..models.linear import Linear
 
+    head = getattr(model, "lm_head", 0)  # a Linear, None when tied to the embedding, 0: no such model
     groups: dict[tuple[int, int], list[Linear]] = defaultdict(list)
     for m in model.modules():
-        if isinstance(m, Linear) and m.bias is None and m.weight.is_cuda:
+        if isinstance(m, Linear) and m.bias is None and m.weight.is_cuda and m is not head:
             groups[tuple(m.weight.shape)].append(m)
     # measure everything first, then set: a failure part-way leaves every layer on cuBLAS
     measured = [(mods, tune_shape([m.weight for m in mods])) for mods in groups.values()]
-    tied = getattr(model, "lm_head", 0) is None and model.lm_head_weight.is_cuda  # the embedding is the head
-    head_choice = tune_shape([model.lm_head_weight]) if tied else None
+    # the head on its own, as it runs: its logits are fp32 (LlamaForCausalLM.compute_logits)
+    has_head = head != 0 and (head is None or head.bias is None) and model.lm_head_weight.is_cuda
+    head_choice = tune_shape([model.lm_head_weight], out_dtype=torch.float32) if has_head else None
     for mods, choice in measured:
         for m in mods:
             m.gemv = choice.config
     if head_choice is not None:
-        model.lm_head_gemv = head_choice.config
+        if head is None:
+            model.lm_head_gemv = head_choice.config
+        else:
+            head.gemv = head_choice.config
     choices = [c for _, c in measured] + ([head_choice] if head_choice is not None else [])
     try:  # the fused roles after the plain choices, which they compare against
         choices += _tune_fused(model)
