@@ -77,9 +77,10 @@ def timed(fn, repeats: int) -> list[float]:
 
 
 def generate(engine, prompts, n):
-    from tercel import SamplingParams
+    from tercel import RequestOutputKind, SamplingParams
 
-    p = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    # final outputs only, as LLM.generate asks for them (no per-step output objects)
+    p = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
     ids = [engine.add_request(x, p) for x in prompts]
     done = {}
     while engine.has_unfinished_requests():

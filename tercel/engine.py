@@ -39,7 +39,7 @@ from .loader.model_loader import LoadedModel, load_model, parse_dtype
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request, RequestStatus
 from .sampling import Sampler, greedy_tokens, sample_batch
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 from .scheduler import ScheduledRequest, Scheduler
 from .detokenizer import update_text
 
@@ -294,7 +294,8 @@ class LLMEngine:
                 outputs = self._advance_inflight()
                 if outputs or self._inflight is not None:
                     return outputs
-                # every request of that window had stopped or been aborted: schedule afresh now
+                # nothing to report and nothing in flight (that window's requests stopped or were aborted, or
+                # they want FINAL_ONLY outputs and the batch changed): schedule afresh now
             num_steps = self._window_steps()
             if num_steps >= 1:
                 window = self.scheduler.schedule_decode_window(num_steps)
@@ -311,7 +312,8 @@ class LLMEngine:
                 s.request.num_computed_tokens += s.num_tokens
             reqs = [s.request for s in sampled]
             tokens, logprobs = self.sampler.sample(out.logits, reqs)
-            return [self._postprocess(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs)]
+            outputs = [self._postprocess(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs)]
+            return [o for o in outputs if o is not None]
 
     # ---- multi-step decode -----------------------------------------------------------------
     @staticmethod
@@ -431,7 +433,9 @@ class LLMEngine:
                 self._append_token(r, tokens[step][i], None)
                 if r.finish_reason is not None:  # the rest of its window is discarded; its blocks are freed
                     break
-            outputs.append(self._make_output(r))
+            out = self._make_output(r)
+            if out is not None:
+                outputs.append(out)
         return outputs
 
     def run_model(self, batch: ForwardBatch) -> ModelOutput:
@@ -475,7 +479,7 @@ class LLMEngine:
         )
         return batch, sampled
 
-    def _postprocess(self, req: Request, token: int, logprob: dict[int, float] | None) -> RequestOutput:
+    def _postprocess(self, req: Request, token: int, logprob: dict[int, float] | None) -> RequestOutput | None:
         self._append_token(req, token, logprob)
         return self._make_output(req)
 
@@ -509,16 +513,26 @@ class LLMEngine:
         if req.finish_reason is None and (n >= p.max_tokens or req.num_tokens >= self.config.max_model_len):
             req.finish_reason = "length"
 
-    def _make_output(self, req: Request) -> RequestOutput:
+    def _make_output(self, req: Request) -> RequestOutput | None:
+        """This step's output for req, as its params' output_kind asks; None for a FINAL_ONLY request
+        that is still running (no object, no copy of its token ids: offline generate at large batch)."""
         finished = req.finish_reason is not None
+        kind = req.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
         # Streaming holds back text that may still turn out to be part of a stop string.
         safe = len(req.output_text) if finished else req.output_text_safe_len
         delta_text = req.output_text[req.sent_text_len:safe] if safe > req.sent_text_len else ""
         req.sent_text_len = max(req.sent_text_len, safe)
-        delta_ids = req.output_token_ids[req.sent_token_len:]
+        start = req.sent_token_len
+        delta_ids = req.output_token_ids[start:]
         req.sent_token_len = len(req.output_token_ids)
-        completion = CompletionOutput(
-            index=0, text=req.output_text, token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason, logprobs=list(req.logprobs) if req.logprobs is not None else None)
+        lps = req.logprobs
+        if kind == RequestOutputKind.DELTA:
+            text, token_ids, lps = delta_text, delta_ids, lps[start:] if lps is not None else None
+        else:
+            text, token_ids, lps = req.output_text, list(req.output_token_ids), list(lps) if lps is not None else None
+        completion = CompletionOutput(index=0, text=text, token_ids=token_ids, finish_reason=req.finish_reason,
+                                      stop_reason=req.stop_reason, logprobs=lps)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished, req.metrics,
                              delta_text=delta_text, delta_token_ids=delta_ids)

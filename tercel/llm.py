@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -9,7 +10,7 @@ from tqdm import tqdm
 
 from .engine import LLMEngine
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -42,7 +43,10 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        params = self._params_list(sampling_params, len(prompts))
+        # generate returns only the final outputs: FINAL_ONLY spares the engine an output object and a copy of
+        # the tokens so far per request per step (the caller's params are copied, not changed)
+        params = [replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in
+                  self._params_list(sampling_params, len(prompts))]
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         return self._run(ids, use_tqdm)
 

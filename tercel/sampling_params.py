@@ -1,8 +1,18 @@
 """Per-request sampling parameters, validated on construction (vLLM's field names)."""
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What the engine's step() returns for a request (vLLM's names): CUMULATIVE, every step, the text
+    and token ids so far (plus the step's delta fields); DELTA, every step, only what this step added;
+    FINAL_ONLY, one output when it finishes (offline generate: no per-step output objects or copies)."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(slots=True)
@@ -22,6 +32,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; 0: chosen token only; n: plus top-n
     skip_special_tokens: bool = True
     min_tokens: int = 0
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +60,8 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings"),
             (all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "non-negative token ids"),
+            (isinstance(self.output_kind, RequestOutputKind), "output_kind",
+             "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)"),
         ]
         for ok, name, want in checks:
             if not ok:
