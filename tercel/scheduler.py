@@ -113,7 +113,8 @@ class Scheduler:
         if sum(needs) > self.allocator.num_free:
             return None
         for r, n in zip(running, needs):
-            r.block_table.extend(self.allocator.allocate(n))
+            if n:  # most steps of a window need no new block: skip the call (per request per step)
+                r.block_table.extend(self.allocator.allocate(n))
         return [ScheduledRequest(r, 1) for r in running]
 
     def finish(self, req: Request) -> None:
