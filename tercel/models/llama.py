@@ -7,7 +7,9 @@ Batch-1 decode on the GPU (one token, tuned GEMVs) runs each layer as about five
 in the prologue of the qkv and gate_up GEMVs, SwiGLU in the prologue of the down GEMV, the residual
 adds in the epilogues of the o and down GEMVs, RoPE + K/V store + attention in one kernel. The residual
 stream is then materialised after every sub-layer instead of flowing into the next norm's add; the
-values are the same (each op rounds where its unfused kernel does). A role whose fused GEMV the tuner
+values are the same (each op rounds where its unfused kernel does), except where the tuner kept a
+norm_after RMSNorm role (the rms applied to the fp32 product: closer to exact, not bit-equal). The final
+norm may fold into the lm_head GEMV, which stores the fp32 logits. A role whose fused GEMV the tuner
 did not keep (tercel.kernels.gemv_tune) runs its unfused ops inside the same structure.
 """
 from __future__ import annotations
