@@ -312,8 +312,7 @@ class LLMEngine:
                 s.request.num_computed_tokens += s.num_tokens
             reqs = [s.request for s in sampled]
             tokens, logprobs = self.sampler.sample(out.logits, reqs)
-            outputs = [self._postprocess(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs)]
-            return [o for o in outputs if o is not None]
+            return self._postprocess(reqs, tokens, logprobs)
 
     # ---- multi-step decode -----------------------------------------------------------------
     @staticmethod
@@ -433,9 +432,7 @@ class LLMEngine:
                 self._append_token(r, tokens[step][i], None)
                 if r.finish_reason is not None:  # the rest of its window is discarded; its blocks are freed
                     break
-            out = self._make_output(r)
-            if out is not None:
-                outputs.append(out)
+            self._emit(outputs, r)
         return outputs
 
     def run_model(self, batch: ForwardBatch) -> ModelOutput:
@@ -479,9 +476,20 @@ class LLMEngine:
         )
         return batch, sampled
 
-    def _postprocess(self, req: Request, token: int, logprob: dict[int, float] | None) -> RequestOutput | None:
-        self._append_token(req, token, logprob)
-        return self._make_output(req)
+    def _postprocess(self, reqs: list[Request], tokens: list[int],
+                     logprobs: list[dict[int, float] | None]) -> list[RequestOutput]:
+        """Append each request's sampled token (with the stop checks); the outputs this step gives."""
+        outputs: list[RequestOutput] = []
+        for r, t, lp in zip(reqs, tokens, logprobs):
+            self._append_token(r, t, lp)
+            self._emit(outputs, r)
+        return outputs
+
+    def _emit(self, outputs: list[RequestOutput], req: Request) -> None:
+        """Add req's output for this step, when its output_kind wants one now (FINAL_ONLY: at the end)."""
+        out = self._make_output(req)
+        if out is not None:
+            outputs.append(out)
 
     def _append_token(self, req: Request, token: int, logprob: dict[int, float] | None) -> None:
         """Append one generated token, check the stop conditions; a finished request is freed."""

@@ -103,8 +103,7 @@ class SpecWorker:
             r.num_computed_tokens += s.num_tokens
         reqs = [s.request for s in sampled]
         tokens, logprobs = eng.sampler.sample(out.logits, reqs)
-        outputs = [o for o in (eng._postprocess(r, t, lp) for r, t, lp in zip(reqs, tokens, logprobs))
-                   if o is not None]  # FINAL_ONLY requests still running have none
+        outputs = eng._postprocess(reqs, tokens, logprobs)
         alive = [c for c in chunks if c.request.finish_reason is None]
         if alive:
             self.drafter.after_extend(alive, out.hidden_states)
@@ -156,9 +155,7 @@ class SpecWorker:
                 r.num_computed_tokens = base + 1 + k
                 self._free_unused_blocks(r)
                 alive.append(i)
-            emitted = eng._make_output(r)
-            if emitted is not None:  # a FINAL_ONLY request still running has none
-                outputs.append(emitted)
+            eng._emit(outputs, r)
         if moves:  # (a source may sit in a block just freed: nothing allocates before this copy)
             src = torch.tensor([m[0] for m in moves], device=eng.device)
             dst = torch.tensor([m[1] for m in moves], device=eng.device)
