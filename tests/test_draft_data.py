@@ -91,3 +91,23 @@ def test_shards_split_the_offline_prompts_and_sample_their_own_prompts(monkeypat
     merged = data.merge_samples(parts + parts[:1])
     assert len(merged) == len({tuple(s.prompt) for s in merged}) == 39
     assert merged[:len(data.load_samples(parts[0]))] == data.load_samples(parts[0])
+
+
+# words naming the subject of each held-out evaluation prompt (data.EVAL_CHAT_PROMPTS / EVAL_CODE_PROMPTS)
+EVAL_SUBJECTS = ["ocean", "capital of france", "autumn", "hash table", "cook", "sky", "planet", "solar system",
+                 "vaccine", "lighthouse", "hiking", "revers", "prime", "stack", "list comprehension", "count the words",
+                 "counts the words", "recent orders", "merge", "csv", "debounce", "binary search"]
+
+
+def test_prompt_vocabulary_stays_off_the_eval_subjects():
+    import random
+
+    from tercel.train import data, prompts
+
+    words = [*prompts.TOPICS, *prompts.HOW_TO, *prompts.CODE_TASKS, *prompts.CONCEPTS]
+    hits = [(w, s) for w in words for s in EVAL_SUBJECTS if s in w.lower()]
+    assert not hits, f"prompt vocabulary names a held-out eval subject: {hits}"
+    everything = prompts.chat_prompts() + prompts.code_prompts(random.Random(0))
+    assert len(everything) > 5000 and len(set(everything)) == len(everything)
+    assert all("{" not in p for p in everything)  # every template filled
+    assert not set(everything) & (set(data.EVAL_CHAT_PROMPTS) | set(data.EVAL_CODE_PROMPTS))

@@ -3,7 +3,8 @@ trainer (EAGLE-3 here, DFlash later).
 
 1. build_prompts: chat prompts from text on this machine: Python stdlib source (functions and
    their docstrings, read with `ast`, never imported), installed packages' descriptions (their
-   METADATA / README text under site-packages), and generic chat topics.
+   METADATA / README text under site-packages), and the hand-written questions and programming
+   tasks of tercel.train.prompts.
    synth_user_prompts: the TARGET writes user messages itself, sampled after the chat template's
    user-turn prefix (the Magpie recipe), which gives the varied everyday chat the offline text lacks.
 2. generate_responses: the TARGET writes the answers, with Tercel's own engine, in large batches.
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from ..models.llama import LlamaForCausalLM
 from ..models.rope import apply_rope
+from .prompts import chat_prompts, code_prompts
 
 log = logging.getLogger(__name__)
 
@@ -48,25 +50,6 @@ EVAL_CODE_PROMPTS = [
 
 # KV pool of a target loaded only to compute training features (the dataset already exists)
 LIGHT_KV_BYTES = 256 << 20
-
-_TOPICS = [
-    "the ocean", "volcanoes", "the history of Rome", "black holes", "photosynthesis", "the French Revolution",
-    "machine learning", "honey bees", "the water cycle", "climate change", "the Moon landing", "coffee",
-    "chess", "the human heart", "electric cars", "the Great Wall of China", "jazz music", "the Internet",
-    "renewable energy", "dinosaurs", "the Olympic Games", "rainforests", "earthquakes", "the stock market",
-    "ancient Egypt", "penguins", "gravity", "the printing press", "vitamins", "cloud computing", "bread baking",
-    "the Renaissance", "DNA", "hurricanes", "the solar system", "friendship", "time management", "public speaking",
-    "gardening", "the immune system", "sleep", "meditation", "recycling", "databases", "compilers", "encryption",
-    "operating systems", "the piano", "football", "tea", "mountains", "deserts", "rivers", "bicycles", "trains",
-]
-_CHAT_TEMPLATES = [
-    "Tell me about {t}.", "Explain {t} to a ten-year-old.", "Write a short poem about {t}.",
-    "Give me three interesting facts about {t}.", "What are the pros and cons of {t}?",
-    "Write a short story that involves {t}.", "Summarize the most important ideas about {t}.",
-    "What questions should I ask to learn more about {t}?", "Write a haiku about {t}.",
-    "How would you describe {t} in one paragraph?",
-]
-
 
 @dataclass(slots=True)
 class Sample:
@@ -139,9 +122,7 @@ def build_prompts(n: int, seed: int = 0) -> list[str]:
             "Summarize the following text in a few sentences:\n\n{p}", "Explain this in simple terms:\n\n{p}",
             "What are the key points of this text?\n\n{p}", "Rewrite this text to be shorter and clearer:\n\n{p}",
         ]).format(p=para))
-    for t in _TOPICS:
-        for tmpl in _CHAT_TEMPLATES:
-            prompts.append(tmpl.format(t=t))
+    prompts += chat_prompts() + code_prompts(rng)
     held_out = set(EVAL_CHAT_PROMPTS) | set(EVAL_CODE_PROMPTS)
     prompts = sorted({p for p in prompts if p not in held_out})
     rng.shuffle(prompts)
