@@ -32,8 +32,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import LLMEngine
-from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
+from ..outputs import CompletionOutput, RequestOutput
+from ..sampling_params import RequestOutputKind, SamplingParams
 from .engine_loop import ABORTED, AsyncEngine, EngineFailure, EngineRequest, QueueFullError, RequestGroup
 from .metrics import ServerMetrics
 from .protocol import (MAX_LOGPROBS, MAX_STOP_STRINGS, APIError, ChatCompletionRequest, CompletionRequest,
@@ -100,6 +100,24 @@ async def _group_items(group: RequestGroup, total: int) -> AsyncIterator[tuple[i
         yield idx, item
         if isinstance(item, EngineFailure):
             return
+
+
+def _join_delta(prev: RequestOutput | None, out: RequestOutput) -> RequestOutput:
+    """The output so far of a request whose params ask for DELTA outputs: prev (joined earlier
+    outputs, or None) followed by out's text, token ids and logprobs; out's finish state."""
+    c = out.outputs[0]
+    if prev is None:
+        joined = CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
+                                  None if c.logprobs is None else list(c.logprobs))
+    else:
+        joined = prev.outputs[0]
+        joined.text += c.text
+        joined.token_ids += c.token_ids
+        if c.logprobs is not None:
+            joined.logprobs = (joined.logprobs or [])
+            joined.logprobs += c.logprobs
+        joined.finish_reason, joined.stop_reason = c.finish_reason, c.stop_reason
+    return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, [joined], out.finished, out.metrics)
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -245,7 +263,10 @@ class OpenAIServer:
 
     def sampling_params(self, req: _SamplingFields, max_tokens: int, logprobs: int | None,
                         seed: int | None) -> SamplingParams:
-        kw: dict[str, Any] = dict(max_tokens=max_tokens, logprobs=logprobs, seed=seed, stop=req.stop,
+        # DELTA: each step's output carries only its new tokens (no per-step copy of the whole
+        # completion); streams send them as they are, collect() joins them for a full response.
+        kw: dict[str, Any] = dict(output_kind=RequestOutputKind.DELTA, max_tokens=max_tokens, logprobs=logprobs,
+                                  seed=seed, stop=req.stop,
                                   stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                                   min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -281,7 +302,8 @@ class OpenAIServer:
 
     async def collect(self, request: Request, group: RequestGroup,
                       total: int) -> tuple[list[RequestOutput | None], list[str]]:
-        """Wait for every choice to finish; abort them all if the client disconnects first."""
+        """Wait for every choice to finish, joining its DELTA outputs; abort them all if the client
+        disconnects first."""
 
         async def consume() -> tuple[list[RequestOutput | None], list[str]]:
             last: list[RequestOutput | None] = [None] * total
@@ -293,7 +315,7 @@ class OpenAIServer:
                 if item is ABORTED:
                     reasons[idx] = "abort"
                     continue
-                last[idx] = item
+                last[idx] = _join_delta(last[idx], item)
                 if item.finished:
                     reasons[idx] = item.outputs[0].finish_reason or "stop"
             return last, reasons
@@ -458,12 +480,11 @@ class OpenAIServer:
                     continue
                 out: RequestOutput = item
                 c = out.outputs[0]
-                completion_tokens[idx] = len(c.token_ids)
+                completion_tokens[idx] += len(out.delta_token_ids)
                 finish = c.finish_reason if out.finished else None
                 logprobs = None
                 if req.logprobs is not None and out.delta_token_ids:
-                    k = len(out.delta_token_ids)
-                    logprobs, offsets[idx] = self.completion_logprobs(out.delta_token_ids, (c.logprobs or [])[-k:],
+                    logprobs, offsets[idx] = self.completion_logprobs(out.delta_token_ids, c.logprobs or [],
                                                                       offsets[idx])
                 if out.delta_text or finish or logprobs:
                     yield chunk(idx, out.delta_text, logprobs, finish)
@@ -593,12 +614,11 @@ class OpenAIServer:
                     continue
                 out: RequestOutput = item
                 c = out.outputs[0]
-                completion_tokens[idx] = len(c.token_ids)
+                completion_tokens[idx] += len(out.delta_token_ids)
                 finish = c.finish_reason if out.finished else None
                 lp = None
                 if logprobs is not None and out.delta_token_ids:
-                    k = len(out.delta_token_ids)
-                    lp = {"content": self.chat_logprobs(out.delta_token_ids, (c.logprobs or [])[-k:], logprobs),
+                    lp = {"content": self.chat_logprobs(out.delta_token_ids, c.logprobs or [], logprobs),
                           "refusal": None}
                 if out.delta_text or finish or lp:
                     yield chunk(idx, {"content": out.delta_text} if out.delta_text else {}, lp, finish)
