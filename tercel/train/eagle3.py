@@ -120,24 +120,43 @@ def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
     return x if group == 1 else x.repeat_interleave(group, dim=1)
 
 
+@dataclass(slots=True)
+class TTTRows:
+    """Which flattened [B * T] rows the training-time test reads, found on the host from the label
+    mask, so that the GPU step has no nonzero() (a host sync each) in it."""
+    need: torch.Tensor  # rows whose target distribution some step learns from (row r predicts x[r + 1])
+    where: torch.Tensor  # [B * T]: a row's index among `need`
+    label_rows: list[torch.Tensor]  # per step j: rows i that learn label x[i + 2 + j]
+
+    @classmethod
+    def of(cls, label_mask: torch.Tensor, steps: int, device: torch.device) -> "TTTRows":
+        m = label_mask.cpu()
+        need = F.pad(m[:, 1:], (0, 1)).flatten()
+        where = torch.cumsum(need, 0) - 1
+        rows = [F.pad(m[:, 2 + j:], (0, 2 + j)).flatten().nonzero().squeeze(1) for j in range(steps)]
+        move = lambda x: x.to(device, non_blocking=True)  # noqa: E731
+        return cls(move(need.nonzero().squeeze(1)), move(where), [move(r) for r in rows])
+
+
 def ttt_loss(model: EagleDraftModel, embed: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
              head_rows: torch.Tensor, ids: torch.Tensor, label_mask: torch.Tensor,
-             steps: int) -> tuple[torch.Tensor, list[float]]:
+             steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """aux: [B, T, fc_in] target aux states; final: [B, T, H] the target's final normed hidden, whose
     logits over head_rows ([Vd, H], the draft vocabulary's rows of the target head) give the target
     distribution predicting token t + 1 at row t; label_mask: [B, T] rows whose token is a trainable
-    label. Logits are computed only on rows that carry a label (with a full-vocabulary draft the
-    dense [B, T, V] tensors would not fit). Returns the weighted loss and per-step top-1 accuracy."""
+    label (pass it on the host: its rows are found there). Logits are computed only on rows that carry
+    a label (with a full-vocabulary draft the dense [B, T, V] tensors would not fit). Returns the
+    weighted loss and the per-step top-1 accuracy as a [steps] tensor (read it only when logging: each
+    read is a device sync)."""
     b, t = ids.shape
     layer, at = model.midlayer, model.midlayer.self_attn
     hq, hkv, d = at.num_heads, at.num_kv_heads, at.head_dim
     scale = d ** -0.5
     causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
-    # target distributions, once, on the rows some step learns from (row r predicts label x[r + 1])
-    need = F.pad(label_mask[:, 1:], (0, 1)).flatten()
-    where = torch.cumsum(need, 0) - 1
+    sel = TTTRows.of(label_mask, steps, ids.device)
+    # target distributions, once, on the rows some step learns from
     with torch.no_grad():
-        target_probs = F.linear(final.flatten(0, 1)[need], head_rows).float().softmax(-1)  # [N, Vd]
+        target_probs = F.linear(final.flatten(0, 1)[sel.need], head_rows).float().softmax(-1)  # [N, Vd]
     h = model.fc(aux)
     k0 = v0 = None
     diag_k: list[torch.Tensor] = []
@@ -168,15 +187,15 @@ def ttt_loss(model: EagleDraftModel, embed: torch.Tensor, aux: torch.Tensor, fin
         h = h + at.o_proj(o.transpose(1, 2).reshape(b, t, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         # row i learns label x[i + 2 + j] from the target's distribution at row i + 1 + j
-        rows = F.pad(label_mask[:, 2 + j:], (0, 2 + j)).flatten().nonzero().squeeze(1)
+        rows = sel.label_rows[j]
         logits = model.compute_logits(h.flatten(0, 1)[rows])  # [n, Vd] float32
-        tgt = target_probs[where[rows + 1 + j]]
+        tgt = target_probs[sel.where[rows + 1 + j]]
         n = max(1, rows.numel())
         ce = -(tgt * logits.log_softmax(-1)).sum(-1)
         total = total + (0.8 ** j) * ce.sum() / n
         with torch.no_grad():
-            accs.append(float((logits.argmax(-1) == tgt.argmax(-1)).sum() / n))
-    return total, accs
+            accs.append((logits.argmax(-1) == tgt.argmax(-1)).sum() / n)
+    return total, torch.stack(accs)
 
 
 class Eagle3Trainer:
@@ -273,8 +292,8 @@ class Eagle3Trainer:
         target = eng.model
         embed = target.embed_tokens.weight
         head_rows = target.lm_head_weight[draft_ids.to(dev)]
-        in_vocab = torch.zeros(tcfg.vocab_size, dtype=torch.bool, device=dev)
-        in_vocab[draft_ids.to(dev)] = True
+        in_vocab_host = torch.zeros(tcfg.vocab_size, dtype=torch.bool)
+        in_vocab_host[draft_ids] = True
         layer_ids = tuple(sorted(model.config.aux_layer_ids))
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -289,7 +308,7 @@ class Eagle3Trainer:
                 log.info("resumed from %s at step %d", ckpt_path, step)
         # one gather over all response tokens on the host, not a device sync per sample (96 k samples)
         tokens = torch.tensor([t for s in samples for t in s.response], dtype=torch.long)
-        coverage = float(in_vocab.cpu()[tokens].float().mean()) if tokens.numel() else 0.0
+        coverage = float(in_vocab_host[tokens].float().mean()) if tokens.numel() else 0.0
         amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
         rng = random.Random(cfg.seed + step)
         # length-sorted buckets keep padding low
@@ -308,12 +327,12 @@ class Eagle3Trainer:
                 g["lr"] = lr
             batch = [samples[i] for i in rng.choice(batches)]
             ids, valid, resp = pack_batch(batch, cfg.max_len)
-            ids, valid, resp = ids.to(dev), valid.to(dev), resp.to(dev)
+            label_mask = resp & valid & in_vocab_host[ids]  # on the host: ttt_loss finds its rows there
+            ids = ids.to(dev, non_blocking=True)
             with torch.no_grad(), amp:
                 aux, final = target_features(target, ids, layer_ids)
             if step == 0 and not cfg.init_from:
-                self.init_fc(model, aux[valid])
-            label_mask = resp & valid & in_vocab[ids]
+                self.init_fc(model, aux[valid.to(dev)])
             with amp:
                 loss, accs = ttt_loss(model, embed, aux.float() if dev.type != "cuda" else aux, final, head_rows,
                                       ids, label_mask, cfg.ttt_steps)
@@ -323,9 +342,12 @@ class Eagle3Trainer:
             opt.step()
             step += 1
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{accs[0]:.2f}", accN=f"{accs[-1]:.2f}", lr=f"{lr:.1e}")
+            if step % 10 == 0:  # reading loss / accs waits for the GPU: not every step
+                acc_list = accs.tolist()
+                bar.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{acc_list[0]:.2f}", accN=f"{acc_list[-1]:.2f}",
+                                lr=f"{lr:.1e}")
             if step % 50 == 0:
-                history.append({"step": step, "loss": round(loss.item(), 4), "acc": [round(a, 3) for a in accs],
+                history.append({"step": step, "loss": round(loss.item(), 4), "acc": [round(a, 3) for a in acc_list],
                                 "elapsed_s": round(time.perf_counter() - start, 1)})
             if step % cfg.save_every == 0:
                 self._checkpoint(ckpt_path, model, opt, step, time.perf_counter() - start, draft_ids)
