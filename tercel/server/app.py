@@ -114,8 +114,9 @@ def _join_delta(prev: RequestOutput | None, out: RequestOutput) -> RequestOutput
         joined.text += c.text
         joined.token_ids += c.token_ids
         if c.logprobs is not None:
-            joined.logprobs = (joined.logprobs or [])
-            joined.logprobs += c.logprobs
+            if joined.logprobs is None:
+                joined.logprobs = []
+            joined.logprobs.extend(c.logprobs)
         joined.finish_reason, joined.stop_reason = c.finish_reason, c.stop_reason
     return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, [joined], out.finished, out.metrics)
 

@@ -134,8 +134,8 @@ class TTTRows:
         need = F.pad(m[:, 1:], (0, 1)).flatten()
         where = torch.cumsum(need, 0) - 1
         rows = [F.pad(m[:, 2 + j:], (0, 2 + j)).flatten().nonzero().squeeze(1) for j in range(steps)]
-        move = lambda x: x.to(device, non_blocking=True)  # noqa: E731
-        return cls(move(need.nonzero().squeeze(1)), move(where), [move(r) for r in rows])
+        need_rows, where, *rows = (x.to(device, non_blocking=True) for x in [need.nonzero().squeeze(1), where, *rows])
+        return cls(need_rows, where, rows)
 
 
 def ttt_loss(model: EagleDraftModel, embed: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
