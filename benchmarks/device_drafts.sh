@@ -9,7 +9,8 @@
 # The job:
 #   1. data: SHARDS processes of benchmarks/draft_data.py side by side (one leaves the GPU idle during
 #      its per-step host work), each writing and answering its own prompts at T=0, joined by --merge;
-#   2. training, side by side: one EAGLE-3 run per entry of RUNS ("name:batch:lr", warm-started from
+#   2. training, side by side: one EAGLE-3 run per entry of RUNS ("name:batch:lr[:hard]", hard: the
+#      --hard-label-weight, default 0; warm-started from
 #      INIT, the target's head) and, with DFLASH=1, a DFlash run warm-started from DFLASH_INIT;
 #   3. accept lengths on the GPU (bf16, held-out prompts): spec_accept.py per EAGLE-3 run, dflash_accept.py.
 # The reported accept lengths are measured afterwards in fp32 on CPU (spec_accept.py, dflash_accept.py).
@@ -57,10 +58,10 @@ start)
 || { echo 'data failed' > $R/done; exit 1; }"
     echo "echo train >> $R/stage.log"
     for run in $RUNS; do
-      IFS=: read -r name bs lr <<< "$run"
+      IFS=: read -r name bs lr hard <<< "$run"
       echo "mkdir -p /tmp/d_$name && ln /tmp/data/data.pt /tmp/d_$name/data.pt"
       echo "python3 -m tercel.cli train-draft --algorithm eagle3 --target $M --out /tmp/d_$name --device cuda \
---max-len 640 --draft-vocab-size 0 --intermediate-size ${INTER:-1536} --batch-size $bs --lr $lr \
+--max-len 640 --draft-vocab-size 0 --intermediate-size ${INTER:-1536} --batch-size $bs --lr $lr --hard-label-weight ${hard:-0} \
 ${INIT:+--init-from $INIT} --max-steps 1000000 --time-budget ${TRAIN_S:-700} --save-every 500 > $R/train_$name.log 2>&1 &"
     done
     if [ "${DFLASH:-1}" = 1 ]; then

@@ -99,6 +99,39 @@ def test_warm_start_with_a_wider_mlp_computes_what_the_old_draft_did(tmp_path):
         warm_start(new, tmp_path)
 
 
+def test_hard_label_weight_moves_the_loss_onto_the_targets_top1(tmp_path):
+    """loss(w) = (1 - w) * soft cross-entropy + w * cross-entropy on the target's argmax, per step."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "t")
+    eng = LLM(str(tmp_path / "t"), dtype="float32", device="cpu", skip_tokenizer_init=True, progress=False,
+              max_model_len=64).engine
+    target, tcfg = eng.model, eng.model_config
+    model = load_eagle_draft(random_eagle3(tmp_path / "d", tcfg, aux_layer_ids=(0, 2, 4), std=0.3), tcfg,
+                             torch.float32, torch.device("cpu"), 64)
+    model.share_target(target.embed_tokens.weight, target.lm_head_weight)
+    ids = torch.randint(0, 96, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    aux, final = target_features(target, ids, (0, 2, 4))
+    head = target.lm_head_weight
+    args = (model, target.embed_tokens.weight, aux, final, head, ids, mask, 1)
+    soft, mixed = (ttt_loss(*args, hard_label_weight=w)[0] for w in (0.0, 0.25))
+    caught, orig = [], model.compute_logits
+    model.compute_logits = lambda h: caught.append(orig(h)) or caught[-1]
+    try:
+        hard = ttt_loss(*args, hard_label_weight=1.0)[0]
+    finally:
+        model.compute_logits = orig
+    torch.testing.assert_close(mixed, 0.75 * soft + 0.25 * hard)
+    # step 0: row i (0 .. T - 3 of each sequence) learns from the target's distribution at row i + 1
+    top1 = (final[:, 1:-1] @ head.T).argmax(-1).flatten()
+    torch.testing.assert_close(hard, F.cross_entropy(caught[0], top1))
+    assert not torch.allclose(soft, hard)
+    with pytest.raises(ValueError, match="hard_label_weight=1.5 is outside"):
+        Eagle3Trainer(Eagle3TrainConfig(out=str(tmp_path / "x"), hard_label_weight=1.5))
+
+
 def test_draft_vocabulary_is_the_most_frequent_response_tokens():
     samples = [Sample([1, 2], [5, 5, 5, 7, 7, 9]), Sample([3], [7, 5, 11])]
     assert choose_draft_vocab(samples, 3, 20).tolist() == [5, 7, 9]

@@ -59,6 +59,10 @@ class Eagle3TrainConfig:
     intermediate_size: int | None = None  # draft MLP width (default: the target's)
     aux_layer_ids: tuple[int, ...] | None = None  # default: SGLang's low / mid / high
     ttt_steps: int = 6
+    # share of the loss on the target's top-1 token (the rest: its full distribution). Greedy
+    # acceptance asks for the draft's argmax to equal the target's; soft labels ask for the
+    # distribution, which sampling acceptance rewards.
+    hard_label_weight: float = 0.0
     batch_size: int = 32
     lr: float = 1e-3
     warmup_steps: int = 50
@@ -140,14 +144,14 @@ class TTTRows:
 
 def ttt_loss(model: EagleDraftModel, embed: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
              head_rows: torch.Tensor, ids: torch.Tensor, label_mask: torch.Tensor,
-             steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+             steps: int, hard_label_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """aux: [B, T, fc_in] target aux states; final: [B, T, H] the target's final normed hidden, whose
     logits over head_rows ([Vd, H], the draft vocabulary's rows of the target head) give the target
     distribution predicting token t + 1 at row t; label_mask: [B, T] rows whose token is a trainable
     label (pass it on the host: its rows are found there). Logits are computed only on rows that carry
     a label (with a full-vocabulary draft the dense [B, T, V] tensors would not fit). Returns the
     weighted loss and the per-step top-1 accuracy as a [steps] tensor (read it only when logging: each
-    read is a device sync)."""
+    read is a device sync). hard_label_weight: the share of each row's loss on the target's argmax."""
     b, t = ids.shape
     layer, at = model.midlayer, model.midlayer.self_attn
     hq, hkv, d = at.num_heads, at.num_kv_heads, at.head_dim
@@ -191,7 +195,11 @@ def ttt_loss(model: EagleDraftModel, embed: torch.Tensor, aux: torch.Tensor, fin
         logits = model.compute_logits(h.flatten(0, 1)[rows])  # [n, Vd] float32
         tgt = target_probs[sel.where[rows + 1 + j]]
         n = max(1, rows.numel())
-        ce = -(tgt * logits.log_softmax(-1)).sum(-1)
+        logq = logits.log_softmax(-1)
+        ce = -(tgt * logq).sum(-1)
+        if hard_label_weight:
+            top1 = -logq.gather(-1, tgt.argmax(-1, keepdim=True)).squeeze(-1)
+            ce = (1.0 - hard_label_weight) * ce + hard_label_weight * top1
         total = total + (0.8 ** j) * ce.sum() / n
         with torch.no_grad():
             accs.append((logits.argmax(-1) == tgt.argmax(-1)).sum() / n)
@@ -201,6 +209,9 @@ def ttt_loss(model: EagleDraftModel, embed: torch.Tensor, aux: torch.Tensor, fin
 class Eagle3Trainer:
     def __init__(self, cfg: Eagle3TrainConfig, llm=None) -> None:
         """llm: an already loaded target (tercel.LLM) to use instead of loading cfg.target."""
+        if not 0.0 <= cfg.hard_label_weight <= 1.0:
+            raise ValueError(f"hard_label_weight={cfg.hard_label_weight} is outside [0, 1]: it is the share of the "
+                             "loss on the target's top-1 token (0: soft labels only, 1: top-1 only).")
         self.cfg = cfg
         self.llm = llm
         self.out = Path(cfg.out)
@@ -335,7 +346,7 @@ class Eagle3Trainer:
                 self.init_fc(model, aux[valid.to(dev)])
             with amp:
                 loss, accs = ttt_loss(model, embed, aux.float() if dev.type != "cuda" else aux, final, head_rows,
-                                      ids, label_mask, cfg.ttt_steps)
+                                      ids, label_mask, cfg.ttt_steps, cfg.hard_label_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
