@@ -128,6 +128,20 @@ def test_hard_label_weight_moves_the_loss_onto_the_targets_top1(tmp_path):
     top1 = (final[:, 1:-1] @ head.T).argmax(-1).flatten()
     torch.testing.assert_close(hard, F.cross_entropy(caught[0], top1))
     assert not torch.allclose(soft, hard)
+    # checkpointed logits (the default) give the same loss and gradients as kept ones
+    grads = []
+    model.requires_grad_(True)
+    for keep in (False, True):
+        model.zero_grad(set_to_none=True)
+        loss, accs = ttt_loss(*args[:-1], 3, hard_label_weight=0.25, checkpoint_logits=not keep)
+        loss.backward()
+        grads.append((loss.detach(), accs, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (l0, a0, g0), (l1, a1, g1) = grads
+    torch.testing.assert_close(l0, l1)
+    torch.testing.assert_close(a0, a1)
+    assert len(g0) == len(g1) > 0
+    for x, y in zip(g0, g1):
+        torch.testing.assert_close(x, y)
     with pytest.raises(ValueError, match="hard_label_weight=1.5 is outside"):
         Eagle3Trainer(Eagle3TrainConfig(out=str(tmp_path / "x"), hard_label_weight=1.5))
 

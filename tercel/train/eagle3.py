@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from ..models.eagle3 import EagleDraftConfig, EagleDraftModel, default_eagle3_layer_ids
@@ -142,16 +143,32 @@ class TTTRows:
         return cls(need_rows, where, rows)
 
 
+def _step_loss(model: EagleDraftModel, h_rows: torch.Tensor, target_probs: torch.Tensor, tgt_index: torch.Tensor,
+               hard_label_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One TTT step's summed cross-entropy against the target's distributions target_probs[tgt_index]
+    (hard_label_weight of it on their argmax), and the number of rows whose argmax matches."""
+    logits = model.compute_logits(h_rows)  # [n, Vd] float32
+    tgt = target_probs[tgt_index]
+    logq = logits.log_softmax(-1)
+    ce = -(tgt * logq).sum(-1)
+    top1 = tgt.argmax(-1, keepdim=True)
+    if hard_label_weight:
+        ce = (1.0 - hard_label_weight) * ce - hard_label_weight * logq.gather(-1, top1).squeeze(-1)
+    return ce.sum(), (logits.argmax(-1, keepdim=True) == top1).sum().detach()
+
+
 def ttt_loss(model: EagleDraftModel, embed: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
              head_rows: torch.Tensor, ids: torch.Tensor, label_mask: torch.Tensor,
-             steps: int, hard_label_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+             steps: int, hard_label_weight: float = 0.0,
+             checkpoint_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """aux: [B, T, fc_in] target aux states; final: [B, T, H] the target's final normed hidden, whose
     logits over head_rows ([Vd, H], the draft vocabulary's rows of the target head) give the target
     distribution predicting token t + 1 at row t; label_mask: [B, T] rows whose token is a trainable
     label (pass it on the host: its rows are found there). Logits are computed only on rows that carry
     a label (with a full-vocabulary draft the dense [B, T, V] tensors would not fit). Returns the
     weighted loss and the per-step top-1 accuracy as a [steps] tensor (read it only when logging: each
-    read is a device sync). hard_label_weight: the share of each row's loss on the target's argmax."""
+    read is a device sync). hard_label_weight: the share of each row's loss on the target's argmax;
+    checkpoint_logits: recompute each step's logits in backward instead of keeping them."""
     b, t = ids.shape
     layer, at = model.midlayer, model.midlayer.self_attn
     hq, hkv, d = at.num_heads, at.num_kv_heads, at.head_dim
@@ -192,17 +209,14 @@ def ttt_loss(model: EagleDraftModel, embed: torch.Tensor, aux: torch.Tensor, fin
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         # row i learns label x[i + 2 + j] from the target's distribution at row i + 1 + j
         rows = sel.label_rows[j]
-        logits = model.compute_logits(h.flatten(0, 1)[rows])  # [n, Vd] float32
-        tgt = target_probs[sel.where[rows + 1 + j]]
+        args = (model, h.flatten(0, 1)[rows], target_probs, sel.where[rows + 1 + j], hard_label_weight)
+        # recomputed in backward: the [n, Vd] logits and labels are not kept (6 steps of them over a
+        # full vocabulary need tens of GB); the recompute is one more head product per step
+        ce, hits = checkpoint(_step_loss, *args, use_reentrant=False) if checkpoint_logits and torch.is_grad_enabled() \
+            else _step_loss(*args)
         n = max(1, rows.numel())
-        logq = logits.log_softmax(-1)
-        ce = -(tgt * logq).sum(-1)
-        if hard_label_weight:
-            top1 = -logq.gather(-1, tgt.argmax(-1, keepdim=True)).squeeze(-1)
-            ce = (1.0 - hard_label_weight) * ce + hard_label_weight * top1
-        total = total + (0.8 ** j) * ce.sum() / n
-        with torch.no_grad():
-            accs.append((logits.argmax(-1) == tgt.argmax(-1)).sum() / n)
+        total = total + (0.8 ** j) * ce / n
+        accs.append(hits / n)
     return total, torch.stack(accs)
 
 
