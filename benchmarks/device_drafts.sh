@@ -16,7 +16,8 @@
 # The reported accept lengths are measured afterwards in fp32 on CPU (spec_accept.py, dflash_accept.py).
 # Expects the SmolLM2 parts in /tmp/smol (../shared/tools/split-smollm2) and the gguf wheel in .carry/whl.
 # Knobs: SHARDS, GEN_BS, GEN_KV_GB, GEN_BUDGET (s), SEED, OFFLINE, SYNTH, SYNTH_SHARE, RUNS, INIT, INTER,
-#        TRAIN_S, DFLASH, DFLASH_INIT, DFLASH_BS, DFLASH_LR.
+#        TRAIN_S, DFLASH, DFLASH_INIT, DFLASH_BS, DFLASH_LR, CKPT (set: --checkpoint-logits, so that more
+#        full-vocabulary EAGLE-3 runs fit the GPU: ~55-73 GiB each without it).
 set -uo pipefail
 T0=$(date +%s)
 el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
@@ -61,7 +62,7 @@ start)
       IFS=: read -r name bs lr hard <<< "$run"
       echo "mkdir -p /tmp/d_$name && ln /tmp/data/data.pt /tmp/d_$name/data.pt"
       echo "python3 -m tercel.cli train-draft --algorithm eagle3 --target $M --out /tmp/d_$name --device cuda \
---max-len 640 --draft-vocab-size 0 --intermediate-size ${INTER:-1536} --batch-size $bs --lr $lr --hard-label-weight ${hard:-0} \
+--max-len 640 --draft-vocab-size 0 --intermediate-size ${INTER:-1536} --batch-size $bs --lr $lr --hard-label-weight ${hard:-0} ${CKPT:+--checkpoint-logits} \
 ${INIT:+--init-from $INIT} --max-steps 1000000 --time-budget ${TRAIN_S:-700} --save-every 500 > $R/train_$name.log 2>&1 &"
     done
     if [ "${DFLASH:-1}" = 1 ]; then

@@ -131,7 +131,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         out=args.out, target=args.target, device=args.device, num_prompts=args.num_prompts,
         synth_prompts=args.synth_prompts, max_new_tokens=args.max_new_tokens, gen_temperature=args.gen_temperature, gen_max_num_seqs=args.gen_batch,
         max_len=args.max_len, draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
-        ttt_steps=args.ttt_steps, hard_label_weight=args.hard_label_weight, batch_size=args.batch_size, lr=args.lr, max_steps=args.max_steps,
+        ttt_steps=args.ttt_steps, hard_label_weight=args.hard_label_weight,
+        checkpoint_logits=args.checkpoint_logits, batch_size=args.batch_size, lr=args.lr, max_steps=args.max_steps,
         time_budget_s=args.time_budget, gen_time_budget_s=args.gen_time_budget, save_every=args.save_every, seed=args.seed,
         init_from=args.init_from)
     out = Eagle3Trainer(cfg).train()
@@ -188,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--hard-label-weight", type=float, default=0.0,
                     help="eagle3: share of the loss on the target's top-1 token, in [0, 1] (the rest on its "
                          "distribution); greedy acceptance rewards the top-1 share")
+    tr.add_argument("--checkpoint-logits", action="store_true",
+                    help="eagle3: recompute the draft's head logits in backward (about half the memory with a "
+                         "full vocabulary, ~20%% slower steps)")
     tr.add_argument("--batch-size", type=int, default=32)
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--max-steps", type=int, default=2000)

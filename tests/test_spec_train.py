@@ -128,12 +128,12 @@ def test_hard_label_weight_moves_the_loss_onto_the_targets_top1(tmp_path):
     top1 = (final[:, 1:-1] @ head.T).argmax(-1).flatten()
     torch.testing.assert_close(hard, F.cross_entropy(caught[0], top1))
     assert not torch.allclose(soft, hard)
-    # checkpointed logits (the default) give the same loss and gradients as kept ones
+    # checkpointed logits give the same loss and gradients as kept ones
     grads = []
     model.requires_grad_(True)
-    for keep in (False, True):
+    for ckpt in (False, True):
         model.zero_grad(set_to_none=True)
-        loss, accs = ttt_loss(*args[:-1], 3, hard_label_weight=0.25, checkpoint_logits=not keep)
+        loss, accs = ttt_loss(*args[:-1], 3, hard_label_weight=0.25, checkpoint_logits=ckpt)
         loss.backward()
         grads.append((loss.detach(), accs, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
     (l0, a0, g0), (l1, a1, g1) = grads
@@ -178,3 +178,24 @@ def test_train_draft_writes_a_loadable_draft_and_resumes(tmp_path, smol_path, sm
     llm = spec_llm(smol_llm, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(wide))
     assert llm.engine.spec.drafter.model.head_from_target
     assert len(llm.generate([[1, 9690, 198]], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids) == 4
+
+
+def test_train_draft_flags_reach_the_trainer_config(monkeypatch, tmp_path):
+    import tercel.train.eagle3 as eagle3
+    from tercel.cli import main
+
+    seen = []
+
+    class Stub:
+        def __init__(self, cfg):
+            seen.append(cfg)
+
+        def train(self):
+            return tmp_path
+
+    monkeypatch.setattr(eagle3, "Eagle3Trainer", Stub)
+    assert main(["train-draft", "--out", str(tmp_path), "--hard-label-weight", "0.5", "--checkpoint-logits",
+                 "--ttt-steps", "7"]) == 0
+    assert (seen[0].hard_label_weight, seen[0].checkpoint_logits, seen[0].ttt_steps) == (0.5, True, 7)
+    main(["train-draft", "--out", str(tmp_path)])
+    assert (seen[1].hard_label_weight, seen[1].checkpoint_logits) == (0.0, False)
