@@ -20,6 +20,15 @@ from tercel.train.export import eagle3_config_dict, random_eagle3
 transformers.logging.set_verbosity_error()
 
 
+def _tiny_target(tmp_path) -> LLM:
+    """A random 6-layer Llama (vocab 96) saved under tmp_path / "t", loaded in fp32 on CPU."""
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "t")
+    return LLM(str(tmp_path / "t"), dtype="float32", device="cpu", skip_tokenizer_init=True, progress=False,
+               max_model_len=64)
+
+
 def _ttt_logits(model, target, ids, steps):
     """Per-step draft logits of the training-time test over one sequence (every row a label, so
     step j's logits are rows 0 .. len(ids) - 3 - j in order; `steps` filler tokens give the last rows
@@ -40,11 +49,7 @@ def _ttt_logits(model, target, ids, steps):
 @pytest.mark.parametrize("head_from_target", [False, True], ids=["own-head", "target-head"])
 def test_training_time_test_matches_the_engines_draft(tmp_path, head_from_target):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "t")
-    base = LLM(str(tmp_path / "t"), dtype="float32", device="cpu", skip_tokenizer_init=True, progress=False,
-               max_model_len=64)
+    base = _tiny_target(tmp_path)
     draft = random_eagle3(tmp_path / "d", base.engine.model_config, draft_vocab_size=48, aux_layer_ids=(0, 2, 4),
                           std=0.3, head_from_target=head_from_target)
     llm = spec_llm(base, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft),
@@ -68,11 +73,7 @@ def test_training_time_test_matches_the_engines_draft(tmp_path, head_from_target
 
 def test_warm_start_with_a_wider_mlp_computes_what_the_old_draft_did(tmp_path):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "t")
-    tcfg = LLM(str(tmp_path / "t"), dtype="float32", device="cpu", skip_tokenizer_init=True, progress=False,
-               max_model_len=64).engine.model_config
+    tcfg = _tiny_target(tmp_path).engine.model_config
     old_dir = random_eagle3(tmp_path / "old", tcfg, aux_layer_ids=(0, 2, 4), std=0.3, intermediate_size=48)
     old = load_eagle_draft(old_dir, tcfg, torch.float32, torch.device("cpu"), 64)
     new_cfg = EagleDraftConfig.from_dict(eagle3_config_dict(tcfg, draft_vocab_size=None, aux_layer_ids=(0, 2, 4),
@@ -102,11 +103,7 @@ def test_warm_start_with_a_wider_mlp_computes_what_the_old_draft_did(tmp_path):
 def test_hard_label_weight_moves_the_loss_onto_the_targets_top1(tmp_path):
     """loss(w) = (1 - w) * soft cross-entropy + w * cross-entropy on the target's argmax, per step."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "t")
-    eng = LLM(str(tmp_path / "t"), dtype="float32", device="cpu", skip_tokenizer_init=True, progress=False,
-              max_model_len=64).engine
+    eng = _tiny_target(tmp_path).engine
     target, tcfg = eng.model, eng.model_config
     model = load_eagle_draft(random_eagle3(tmp_path / "d", tcfg, aux_layer_ids=(0, 2, 4), std=0.3), tcfg,
                              torch.float32, torch.device("cpu"), 64)
