@@ -1,6 +1,7 @@
-"""Decode speed with and without speculative decoding (eager, no CUDA graphs): plain vs NGRAM vs
-EAGLE3 (chain and tree) on SmolLM2 at batch 1 and 16, greedy, fixed-length outputs. Prints a table;
-writes a JSON. A sanity run: no speed goal (the eager reference attention is launch-bound).
+"""Decode speed with and without speculative decoding: plain (CUDA graphs on a GPU, and eager) vs
+NGRAM, EAGLE3 (chain and tree), DFLASH and DDTREE with the bundled drafts on SmolLM2 at batch 1 and 16,
+greedy, fixed-length outputs. The speculative steps run eagerly (no graphs yet). Prints a table;
+writes a JSON. A sanity run: no speed goal.
 
 Usage: PYTHONPATH=. python benchmarks/spec_speed.py [--model PATH] [--draft DIR] [--device cuda]
        [--new-tokens 128] [--out benchmarks/results/spec_speed_smollm2_h200.json]
@@ -17,39 +18,51 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_bandwidth, environment  # noqa: E402
 
-CONFIGS = [("plain", None, None, None), ("ngram", "NGRAM", 1, 6), ("eagle3-chain-5", "EAGLE3", 1, None),
-           ("eagle3-tree-topk4-8", "EAGLE3", 4, 8)]
+CONFIGS = [  # (name, algorithm, topk, num_draft_tokens, engine keywords)
+    ("plain", None, None, None, {}), ("plain-eager", None, None, None, {"disable_cuda_graph": True}),
+    ("ngram", "NGRAM", 1, 6, {}), ("eagle3-chain-5", "EAGLE3", 1, None, {}), ("eagle3-tree-topk4-8", "EAGLE3", 4, 8, {}),
+    ("dflash-16", "DFLASH", None, None, {}), ("ddtree-16", "DDTREE", None, None, {"speculative_ddtree_budget": 16}),
+]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
-    ap.add_argument("--draft", default=None)
+    ap.add_argument("--draft", default=None, help="EAGLE-3 draft (default: the bundled one)")
+    ap.add_argument("--dflash-draft", default=None, help="DFlash draft (default: the bundled one)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batch-sizes", default="1,16")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "spec_speed_smollm2_h200.json"))
+    ap.add_argument("--configs", default=",".join(c[0] for c in CONFIGS))
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/spec_speed_smollm2_{h200,cpu}.json")
     args = ap.parse_args()
     import torch
 
     from tercel import LLM, SamplingParams
     from tercel.engine import LLMEngine
-    from tercel.spec import DEFAULT_EAGLE3_DRAFT
+    from tercel.spec import DEFAULT_DFLASH_DRAFT, DEFAULT_EAGLE3_DRAFT
     from tercel.train.data import EVAL_CHAT_PROMPTS, EVAL_CODE_PROMPTS
 
     draft = args.draft or str(DEFAULT_EAGLE3_DRAFT)
+    drafts = {"EAGLE3": draft, "DFLASH": args.dflash_draft or str(DEFAULT_DFLASH_DRAFT)}
+    drafts["DDTREE"] = drafts["DFLASH"]
+    out = args.out or str(Path(__file__).parent / "results" /
+                          f"spec_speed_smollm2_{'h200' if args.device.startswith('cuda') else 'cpu'}.json")
     base = LLM(args.model, device=args.device, progress=False)
     tok = base.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in EVAL_CHAT_PROMPTS + EVAL_CODE_PROMPTS]
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     rows = []
-    for name, algo, topk, n in CONFIGS:
+    wanted = args.configs.split(",")
+    for name, algo, topk, n, extra in (c for c in CONFIGS if c[0] in wanted):
+        if extra.get("disable_cuda_graph") and not args.device.startswith("cuda"):
+            continue  # on the CPU plain is eager already
         llm = LLM.__new__(LLM)
         llm.engine = LLMEngine(loaded=base.engine.loaded, device=args.device, dtype=base.engine.dtype,
-                               speculative_algorithm=algo, speculative_draft_model_path=draft if algo == "EAGLE3" else None,
-                               speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
+                               speculative_algorithm=algo, speculative_draft_model_path=drafts.get(algo),
+                               speculative_eagle_topk=topk, speculative_num_draft_tokens=n, **extra)
         llm.generate(prompts[:2], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))  # warm-up
         for bs in (int(b) for b in args.batch_sizes.split(",")):
             batch = [prompts[i % len(prompts)] for i in range(bs)]
@@ -70,17 +83,18 @@ def main() -> None:
     params_bytes = sum(p.numel() * p.element_size() for p in base.engine.model.parameters())
     bw = copy_bandwidth(args.device) if args.device.startswith("cuda") else None
     plain1 = next(r for r in rows if r["config"] == "plain" and r["batch_size"] == 1)
-    payload = {"benchmark": "decode tokens/s: plain vs speculative (eager PyTorch, reference attention, no CUDA graphs)",
+    payload = {"benchmark": "decode tokens/s: plain (CUDA graphs on a GPU; plain-eager without) vs speculative "
+                            "(eager steps: no CUDA graphs yet)",
                "environment": environment(), "device": args.device, "dtype": str(base.engine.dtype),
-               "model": args.model or "SmolLM2-135M-Instruct (default)", "draft": draft, "new_tokens": args.new_tokens,
+               "model": args.model or "SmolLM2-135M-Instruct (default)", "drafts": drafts, "new_tokens": args.new_tokens,
                "prompts": "EVAL_CHAT_PROMPTS + EVAL_CODE_PROMPTS (chat template), greedy, ignore_eos",
                "tokens_per_s_definition": "batch_size * new_tokens / wall time of generate() (prefill included)",
                "weight_bytes": params_bytes, "copy_bandwidth_bytes_per_s": bw,
                "plain_bs1_roofline_fraction": (plain1["tokens_per_s"] * params_bytes / bw) if bw else None,
                "results": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
-    print("wrote", args.out)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(payload, indent=2) + "\n")
+    print("wrote", out)
 
 
 if __name__ == "__main__":

@@ -53,8 +53,9 @@ def add_speculative_args(p: argparse.ArgumentParser, default_algorithm: str | No
     g = p.add_argument_group("speculative decoding (SGLang's flags)")
     g.add_argument("--speculative-algorithm", default=default_algorithm, type=str.upper,
                    choices=["AUTO", "NONE", "NGRAM", "EAGLE", "EAGLE3", "DFLASH", "DDTREE"],
-                   help="AUTO (default): EAGLE3 with the bundled draft on the default model, off for other models; "
-                        "NONE: plain decoding")
+                   help="AUTO (default): EAGLE3 with the bundled draft on the default model on the CPU; off on a "
+                        "GPU (its speculative steps run eagerly, slower than plain decoding's CUDA graphs) and "
+                        "for other models; NONE: plain decoding")
     g.add_argument("--speculative-draft-model-path", default=None,
                    help="EAGLE / EAGLE-3 / DFlash draft directory (DFLASH/DDTREE on the default model: the bundled one)")
     g.add_argument("--speculative-num-steps", type=int, default=None, help="draft depth (default 5)")
@@ -69,7 +70,11 @@ def add_speculative_args(p: argparse.ArgumentParser, default_algorithm: str | No
 def speculative_kwargs(args: argparse.Namespace) -> dict:
     algo = args.speculative_algorithm
     if algo == "AUTO":
-        algo = "EAGLE3" if args.model is None else None
+        # on a GPU plain decoding replays CUDA graphs while the speculative steps still run eagerly,
+        # ~10x slower on SmolLM2 (benchmarks/results/h200_logs/spec_speed_console_a74fe93.log)
+        from .engine import resolve_device
+
+        algo = "EAGLE3" if args.model is None and resolve_device(args.device).type == "cpu" else None
     return dict(speculative_algorithm=algo, speculative_draft_model_path=args.speculative_draft_model_path,
                 speculative_num_steps=args.speculative_num_steps, speculative_eagle_topk=args.speculative_eagle_topk,
                 speculative_num_draft_tokens=args.speculative_num_draft_tokens,

@@ -208,7 +208,10 @@ def test_default_model_gets_its_bundled_eagle3_head(smol_llm):
     assert llm.engine.spec_config.draft_model_path == DEFAULT_EAGLE3_DRAFT
     assert llm.engine.spec.drafter.aux_layer_ids == (1, 14, 26)  # SmolLM2's 30 layers: low / mid / high
     gen = lambda *a: speculative_kwargs(build_parser().parse_args(["generate", *a]))["speculative_algorithm"]  # noqa: E731
-    assert gen() == "EAGLE3"  # tercel generate on the default model: EAGLE3 out of the box
+    assert gen("--device", "cpu") == "EAGLE3"  # tercel generate on the default model: EAGLE3 out of the box
+    # on a GPU the eager speculative step loses to plain decoding's CUDA graphs: AUTO leaves it off
+    assert gen("--device", "cuda") is None if torch.cuda.is_available() else gen() == "EAGLE3"
+    assert gen("--device", "cpu", "--speculative-algorithm", "eagle3") == "EAGLE3"  # asked for: on
     assert gen("--model", "x.gguf") is None and gen("--speculative-algorithm", "NONE") in (None, "NONE")  # off
     assert gen("--model", "x.gguf", "--speculative-algorithm", "ngram") == "NGRAM"
 
