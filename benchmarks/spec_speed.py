@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--draft", default=None, help="EAGLE-3 draft (default: the bundled one)")
     ap.add_argument("--dflash-draft", default=None, help="DFlash draft (default: the bundled one)")
+    ap.add_argument("--token-map", default=None, help="--speculative-token-map for the EAGLE-3 configs")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batch-sizes", default="1,16")
@@ -62,7 +63,8 @@ def main() -> None:
         llm = LLM.__new__(LLM)
         llm.engine = LLMEngine(loaded=base.engine.loaded, device=args.device, dtype=base.engine.dtype,
                                speculative_algorithm=algo, speculative_draft_model_path=drafts.get(algo),
-                               speculative_eagle_topk=topk, speculative_num_draft_tokens=n, **extra)
+                               speculative_eagle_topk=topk, speculative_num_draft_tokens=n,
+                               speculative_token_map=args.token_map if algo == "EAGLE3" else None, **extra)
         llm.generate(prompts[:2], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))  # warm-up
         for bs in (int(b) for b in args.batch_sizes.split(",")):
             batch = [prompts[i % len(prompts)] for i in range(bs)]
@@ -86,7 +88,7 @@ def main() -> None:
     payload = {"benchmark": "decode tokens/s: plain (CUDA graphs on a GPU; plain-eager without) vs speculative "
                             "(eager steps: no CUDA graphs yet)",
                "environment": environment(), "device": args.device, "dtype": str(base.engine.dtype),
-               "model": args.model or "SmolLM2-135M-Instruct (default)", "drafts": drafts, "new_tokens": args.new_tokens,
+               "model": args.model or "SmolLM2-135M-Instruct (default)", "drafts": drafts, "token_map": args.token_map, "new_tokens": args.new_tokens,
                "prompts": "EVAL_CHAT_PROMPTS + EVAL_CODE_PROMPTS (chat template), greedy, ignore_eos",
                "tokens_per_s_definition": "batch_size * new_tokens / wall time of generate() (prefill included)",
                "weight_bytes": params_bytes, "copy_bandwidth_bytes_per_s": bw,

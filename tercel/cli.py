@@ -53,7 +53,8 @@ def add_speculative_args(p: argparse.ArgumentParser, default_algorithm: str | No
     g = p.add_argument_group("speculative decoding (SGLang's flags)")
     g.add_argument("--speculative-algorithm", default=default_algorithm, type=str.upper,
                    choices=["AUTO", "NONE", "NGRAM", "EAGLE", "EAGLE3", "DFLASH", "DDTREE"],
-                   help="AUTO (default): EAGLE3 with the bundled draft on the default model on the CPU; off on a "
+                   help="AUTO (default): EAGLE3 with the bundled draft and its token map on the default model on "
+                        "the CPU; off on a "
                         "GPU (its speculative steps run eagerly, slower than plain decoding's CUDA graphs) and "
                         "for other models; NONE: plain decoding")
     g.add_argument("--speculative-draft-model-path", default=None,
@@ -65,20 +66,28 @@ def add_speculative_args(p: argparse.ArgumentParser, default_algorithm: str | No
                         "DFLASH/DDTREE: the block size (default: the checkpoint's)")
     g.add_argument("--speculative-ddtree-budget", type=int, default=None,
                    help="DDTREE: draft nodes in the verified tree, 2..64 (default 16)")
+    g.add_argument("--speculative-token-map", default=None,
+                   help="EAGLE/EAGLE3: a .pt or .json list of target token ids the draft may propose (hot "
+                        "tokens); each draft step's head then covers only them")
 
 
 def speculative_kwargs(args: argparse.Namespace) -> dict:
-    algo = args.speculative_algorithm
+    algo, token_map = args.speculative_algorithm, args.speculative_token_map
     if algo == "AUTO":
         # on a GPU plain decoding replays CUDA graphs while the speculative steps still run eagerly,
         # ~10x slower on SmolLM2 (benchmarks/results/h200_logs/spec_speed_console_a74fe93.log)
         from .engine import resolve_device
 
         algo = "EAGLE3" if args.model is None and resolve_device(args.device).type == "cpu" else None
+        if algo and args.speculative_draft_model_path is None and args.speculative_token_map is None:
+            from .spec import DEFAULT_EAGLE3_TOKEN_MAP
+
+            token_map = str(DEFAULT_EAGLE3_TOKEN_MAP)  # the bundled head's hot tokens: faster CPU draft steps
     return dict(speculative_algorithm=algo, speculative_draft_model_path=args.speculative_draft_model_path,
                 speculative_num_steps=args.speculative_num_steps, speculative_eagle_topk=args.speculative_eagle_topk,
                 speculative_num_draft_tokens=args.speculative_num_draft_tokens,
-                speculative_ddtree_budget=args.speculative_ddtree_budget)
+                speculative_ddtree_budget=args.speculative_ddtree_budget,
+                speculative_token_map=token_map)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -129,7 +129,8 @@ class LLMEngine:
                  loaded: LoadedModel | None = None, speculative_algorithm: str | None = None,
                  speculative_draft_model_path: str | Path | None = None, speculative_num_steps: int | None = None,
                  speculative_eagle_topk: int | None = None, speculative_num_draft_tokens: int | None = None,
-                 speculative_ddtree_budget: int | None = None, disable_cuda_graph: bool = False,
+                 speculative_ddtree_budget: int | None = None, speculative_token_map: str | Path | None = None,
+                 disable_cuda_graph: bool = False,
                  cuda_graph_max_bs: int | None = None, cuda_graph_bs: list[int] | None = None,
                  cuda_graph_backend: str = "full", num_scheduler_steps: int = 1, tune_gemv: bool = True,
                  dequantize_gguf: bool = False, disable_overlap_schedule: bool | None = None) -> None:
@@ -180,7 +181,7 @@ class LLMEngine:
         self.spec = build_spec_worker(
             self, speculative_algorithm, speculative_draft_model_path, speculative_num_steps,
             speculative_eagle_topk, speculative_num_draft_tokens, default_model=_is_default_model(loaded.path),
-            ddtree_budget=speculative_ddtree_budget)
+            ddtree_budget=speculative_ddtree_budget, token_map=speculative_token_map)
         # GPU fast path (tercel.graphs): decode steps replay CUDA graphs captured now; inputs go up in one copy.
         self.graph_runner = None
         self._stager = None

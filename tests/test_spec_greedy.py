@@ -10,7 +10,7 @@ import transformers
 
 from spec_utils import OracleTreeDrafter, spec_llm
 from tercel import LLM, SamplingParams
-from tercel.spec import DEFAULT_EAGLE3_DRAFT
+from tercel.spec import DEFAULT_EAGLE3_DRAFT, DEFAULT_EAGLE3_TOKEN_MAP
 from tercel.spec.ngram import ngram_lookup
 from tercel.train.export import random_eagle3
 
@@ -212,6 +212,9 @@ def test_default_model_gets_its_bundled_eagle3_head(smol_llm):
     # on a GPU the eager speculative step loses to plain decoding's CUDA graphs: AUTO leaves it off
     assert gen("--device", "cuda") is None if torch.cuda.is_available() else gen() == "EAGLE3"
     assert gen("--device", "cpu", "--speculative-algorithm", "eagle3") == "EAGLE3"  # asked for: on
+    kw = lambda *a: speculative_kwargs(build_parser().parse_args(["generate", *a]))["speculative_token_map"]  # noqa: E731
+    assert kw("--device", "cpu") == str(DEFAULT_EAGLE3_TOKEN_MAP)  # AUTO brings the bundled head's token map
+    assert kw("--device", "cpu", "--speculative-algorithm", "eagle3") is None  # an explicit choice: as given
     assert gen("--model", "x.gguf") is None and gen("--speculative-algorithm", "NONE") in (None, "NONE")  # off
     assert gen("--model", "x.gguf", "--speculative-algorithm", "ngram") == "NGRAM"
 

@@ -2,7 +2,8 @@
 of the first three generated tokens, computed by enumeration under the request's filters, matches the
 empirical one from EAGLE-3 chains (draft tokens SAMPLED from q, standard rejection) and EAGLE-3 trees
 (deterministic top-k siblings, recursive multi-candidate rejection): chains at T=1, T=0.7 + top-p 0.9
-and top-k 5, trees at T=1 and with penalties + min-p (chi-square, p > 0.01, 20,000 seeded requests
+and top-k 5, a chain at T=1 whose draft proposes only a 9-token map, trees at T=1 and with
+penalties + min-p (chi-square, p > 0.01, 20,000 seeded requests
 batched 2,000 at a time)."""
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def tiny(tmp_path_factory):
     hf, target = tiny_llama_target(root, vocab=VOCAB, layers=3, max_positions=64, init_range=0.2)
     llm = LLM(str(target), device="cpu", skip_tokenizer_init=True, progress=False, max_model_len=32)
     draft = random_eagle3(root / "draft", llm.engine.model_config, aux_layer_ids=(0, 1, 2), std=0.4)
-    return hf, llm, str(draft)
+    (root / "hot.json").write_text("[0, 2, 3, 5, 7, 8, 11, 12, 14]")  # a token map: 9 of the 16 ids
+    return hf, llm, str(draft), str(root / "hot.json")
 
 
 def _exact_joint(hf, params: SamplingParams) -> torch.Tensor:
@@ -72,19 +74,25 @@ FILTERS = {"T1": dict(temperature=1.0), "T0.7-top_p0.9": dict(temperature=0.7, t
            "penalties-min_p": dict(temperature=1.0, min_p=0.05, repetition_penalty=1.5, presence_penalty=0.5,
                                    frequency_penalty=0.3)}
 SHAPES = {"chain": dict(speculative_eagle_topk=1, speculative_num_steps=3),
-          "tree": dict(speculative_eagle_topk=3, speculative_num_steps=3, speculative_num_draft_tokens=8)}
+          "tree": dict(speculative_eagle_topk=3, speculative_num_steps=3, speculative_num_draft_tokens=8),
+          # the draft proposes only the token map's ids; tokens outside it still come from rejection
+          "chain-token-map": dict(speculative_eagle_topk=1, speculative_num_steps=3)}
 # every filter through the chain (drafts sampled from q), and the tree (one-hot q) at T=1 and with
 # penalties (which depend on the path accepted so far); 5 cases keep CI time reasonable
-CASES = [("chain", "T1"), ("chain", "T0.7-top_p0.9"), ("chain", "top_k5"), ("tree", "T1"), ("tree", "penalties-min_p")]
+CASES = [("chain", "T1"), ("chain", "T0.7-top_p0.9"), ("chain", "top_k5"), ("tree", "T1"), ("tree", "penalties-min_p"),
+         ("chain-token-map", "T1")]
 
 
 @pytest.mark.parametrize("shape,filt", CASES, ids=[f"{s}-{f}" for s, f in CASES])
 def test_sampling_matches_the_target_distribution(tiny, shape, filt):
     from spec_utils import spec_llm
 
-    hf, base, draft = tiny
+    hf, base, draft, hot = tiny
+    extra = dict(speculative_token_map=hot) if shape.endswith("token-map") else {}
     llm = spec_llm(base, max_num_seqs=2000, max_num_batched_tokens=16384, speculative_algorithm="EAGLE3",
-                   speculative_draft_model_path=draft, **SHAPES[shape])
+                   speculative_draft_model_path=draft, **SHAPES[shape], **extra)
+    if extra:
+        assert llm.engine.spec.drafter.model.draft_to_target.tolist() == [0, 2, 3, 5, 7, 8, 11, 12, 14]
     # max_tokens=4: t1 comes from the prefill, t2 and t3 from verify (drafted, accepted or resampled)
     params = [SamplingParams(max_tokens=4, seed=i, ignore_eos=True, **FILTERS[filt]) for i in range(N)]
     outs = llm.generate([PROMPT] * N, params)

@@ -159,6 +159,7 @@ class EagleDraftModel(nn.Module):
             self.layers[0].input_layernorm = None  # EAGLE skips the first layer's input norm
         self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size), persistent=False)
         self.rope = RotaryEmbedding(lc, max_positions, dtype)
+        self.hot_head: Linear | None = None  # restrict_vocab: the head rows of the hot tokens only
 
     @property
     def num_layers(self) -> int:
@@ -166,7 +167,39 @@ class EagleDraftModel(nn.Module):
 
     @property
     def maps_vocab(self) -> bool:
-        return self.config.draft_vocab_size != self.config.layers.vocab_size
+        return self.hot_head is not None or self.config.draft_vocab_size != self.config.layers.vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        """Entries of compute_logits' last dimension (draft ids; draft_to_target maps them)."""
+        return self.draft_to_target.numel()
+
+    def _head_weight(self) -> torch.Tensor:
+        """The [draft vocab, H] matrix compute_logits multiplies by (before any restriction)."""
+        if self.config.kind == "eagle" or self.head_from_target:
+            return self._target_head
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        return self.embed_tokens.weight if self.embed_tokens is not None else self._target_embed
+
+    def restrict_vocab(self, hot_ids: torch.Tensor) -> int:
+        """Draft only the target ids in hot_ids (a token map; call after share_target): the head keeps
+        their rows, so a draft step's head product shrinks with the map. Returns the kept count."""
+        if self._target_head is None:
+            raise RuntimeError("restrict_vocab needs share_target first (the head may be the target's).")
+        ids = self.draft_to_target
+        keep = torch.isin(ids, hot_ids.to(ids.device))
+        n = int(keep.sum())
+        if n == 0:
+            raise ConfigError(f"the token map ({hot_ids.numel()} ids) shares no token with this draft's "
+                              f"vocabulary ({ids.numel()} ids); it was made for another model.")
+        w = self._head_weight()[keep.to(self._head_weight().device)]
+        head = Linear(w.shape[1], n, bias=False, device=w.device, dtype=w.dtype).requires_grad_(False)
+        head.weight.copy_(w)
+        prepack_for_cpu(head, w.device, w.dtype)
+        self.hot_head = head
+        self.draft_to_target = ids[keep]
+        return n
 
     def kv_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         lc = self.config.layers
@@ -207,6 +240,8 @@ class EagleDraftModel(nn.Module):
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits (float32) from pre-norm hidden states."""
+        if self.hot_head is not None:
+            return self.hot_head(h if self.config.kind == "eagle" else self.norm(h)).float()
         if self.config.kind == "eagle":
             return F.linear(h, self._target_head).float()
         if self.lm_head is not None:

@@ -31,6 +31,9 @@ ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "DFLASH", "DDTREE")
 DEFAULT_DRAFTS_DIR = Path(__file__).resolve().parent.parent / "drafts"
 DEFAULT_EAGLE3_DRAFT = DEFAULT_DRAFTS_DIR / "smollm2-eagle3"
 DEFAULT_DFLASH_DRAFT = DEFAULT_DRAFTS_DIR / "smollm2-dflash"
+# the bundled head's hot tokens (python -m tercel.train.token_map --size 8192 --prompts 448: 5244 ids,
+# a ninth of the vocabulary's head rows per draft step); `tercel generate` uses it on the CPU
+DEFAULT_EAGLE3_TOKEN_MAP = DEFAULT_EAGLE3_DRAFT / "token_map.json"
 DEFAULT_NUM_STEPS = 5
 DEFAULT_DDTREE_BUDGET = 16
 
@@ -43,17 +46,24 @@ class SpecConfig:
     topk: int
     num_draft_tokens: int
     ddtree_budget: int | None = None  # DDTREE only
+    token_map: Path | None = None  # EAGLE / EAGLE3 only: the hot target ids the draft may propose
 
     @classmethod
     def resolve(cls, algorithm: str | None, draft_path: str | Path | None, num_steps: int | None,
                 topk: int | None, num_draft_tokens: int | None, default_model: bool,
-                ddtree_budget: int | None = None) -> "SpecConfig | None":
+                ddtree_budget: int | None = None, token_map: str | Path | None = None) -> "SpecConfig | None":
         if algorithm is None or str(algorithm).upper() in ("", "NONE"):
+            if token_map is not None:
+                raise ConfigError(f"speculative_token_map={str(token_map)!r} is set but speculative decoding is "
+                                  f"off; pass speculative_algorithm EAGLE or EAGLE3 with it.")
             return None
         algo = str(algorithm).upper()
         if algo not in ALGORITHMS:
             raise ConfigError(f"speculative_algorithm={algorithm!r} is not supported; use one of {ALGORITHMS} "
                               f"or NONE.")
+        if token_map is not None and algo not in ("EAGLE", "EAGLE3"):
+            raise ConfigError(f"speculative_token_map applies to EAGLE / EAGLE3 drafts, not "
+                              f"speculative_algorithm={algo}; drop it.")
         for name, v in (("speculative_num_steps", num_steps), ("speculative_eagle_topk", topk),
                         ("speculative_num_draft_tokens", num_draft_tokens)):
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -97,13 +107,15 @@ class SpecConfig:
             if not 2 <= n <= most:
                 raise ConfigError(f"speculative_num_draft_tokens={n} is out of range for topk={k}, num_steps={steps}: "
                                   f"use 2..{most}.")
-        return cls(algo, path, steps, k, n)
+        return cls(algo, path, steps, k, n, token_map=Path(token_map).expanduser() if token_map is not None else None)
 
 
 def build_spec_worker(engine: "LLMEngine", algorithm: str | None, draft_path: str | Path | None,
                       num_steps: int | None, topk: int | None, num_draft_tokens: int | None,
-                      default_model: bool = False, ddtree_budget: int | None = None) -> SpecWorker | None:
-    cfg = SpecConfig.resolve(algorithm, draft_path, num_steps, topk, num_draft_tokens, default_model, ddtree_budget)
+                      default_model: bool = False, ddtree_budget: int | None = None,
+                      token_map: str | Path | None = None) -> SpecWorker | None:
+    cfg = SpecConfig.resolve(algorithm, draft_path, num_steps, topk, num_draft_tokens, default_model, ddtree_budget,
+                             token_map)
     if cfg is None:
         return None
     if cfg.algorithm in ("DFLASH", "DDTREE"):

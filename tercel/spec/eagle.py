@@ -15,7 +15,9 @@ ancestor mask. At the end the num_draft_tokens - 1 best candidates (plus the roo
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +35,8 @@ from .verify import Accepted
 if TYPE_CHECKING:
     from ..engine import LLMEngine
     from . import SpecConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -89,13 +93,23 @@ class EagleDrafter(Drafter):
     capture_hidden_mode = CaptureHiddenMode.FULL
 
     def __init__(self, engine: "LLMEngine", model: EagleDraftModel, num_steps: int, topk: int,
-                 num_draft_tokens: int) -> None:
+                 num_draft_tokens: int, token_map: Path | None = None) -> None:
         self.engine = engine
         self.model = model
         self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
         self.aux_layer_ids = model.config.aux_layer_ids
         target = engine.model
         model.share_target(target.embed_tokens.weight, target.lm_head_weight, target.compute_logits)
+        if token_map is not None:
+            from .token_map import load_token_map
+
+            kept = model.restrict_vocab(load_token_map(token_map, engine.model_config.vocab_size))
+            if kept < topk:
+                from ..config import ConfigError
+
+                raise ConfigError(f"speculative_token_map {token_map} leaves the draft {kept} tokens, fewer than "
+                                  f"speculative_eagle_topk={topk}; use a larger map or a smaller topk.")
+            log.info("speculative_token_map %s: the draft proposes %d of its tokens", token_map, kept)
         self.kv = PagedKVCache(model.kv_spec(engine.kv.block_size, engine.dtype), engine.kv.num_blocks, engine.device)
         self.scale = model.config.layers.head_dim ** -0.5
         self.vocab_size = engine.model_config.vocab_size
@@ -111,7 +125,7 @@ class EagleDrafter(Drafter):
             raise ConfigError(f"speculative_algorithm={cfg.algorithm} but {cfg.draft_model_path} is an "
                               f"{model.config.kind.upper()} draft; pass --speculative-algorithm "
                               f"{model.config.kind.upper()}.")
-        return cls(engine, model, cfg.num_steps, cfg.topk, cfg.num_draft_tokens)
+        return cls(engine, model, cfg.num_steps, cfg.topk, cfg.num_draft_tokens, cfg.token_map)
 
     def ready(self, req: Request) -> bool:
         st = req.spec_state
