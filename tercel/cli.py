@@ -54,9 +54,8 @@ def add_speculative_args(p: argparse.ArgumentParser, default_algorithm: str | No
     g.add_argument("--speculative-algorithm", default=default_algorithm, type=str.upper,
                    choices=["AUTO", "NONE", "NGRAM", "EAGLE", "EAGLE3", "DFLASH", "DDTREE"],
                    help="AUTO (default): EAGLE3 with the bundled draft and its token map on the default model on "
-                        "the CPU; off on a "
-                        "GPU (its speculative steps run eagerly, slower than plain decoding's CUDA graphs) and "
-                        "for other models; NONE: plain decoding")
+                        "the CPU; off on a GPU (its speculative steps run eagerly, slower than plain decoding's "
+                        "CUDA graphs) and for other models; NONE: plain decoding")
     g.add_argument("--speculative-draft-model-path", default=None,
                    help="EAGLE / EAGLE-3 / DFlash draft directory (DFLASH/DDTREE on the default model: the bundled one)")
     g.add_argument("--speculative-num-steps", type=int, default=None, help="draft depth (default 5)")
@@ -79,7 +78,7 @@ def speculative_kwargs(args: argparse.Namespace) -> dict:
         from .engine import resolve_device
 
         algo = "EAGLE3" if args.model is None and resolve_device(args.device).type == "cpu" else None
-        if algo and args.speculative_draft_model_path is None and args.speculative_token_map is None:
+        if algo and args.speculative_draft_model_path is None and token_map is None:
             from .spec import DEFAULT_EAGLE3_TOKEN_MAP
 
             token_map = str(DEFAULT_EAGLE3_TOKEN_MAP)  # the bundled head's hot tokens: faster CPU draft steps

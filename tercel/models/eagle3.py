@@ -193,7 +193,8 @@ class EagleDraftModel(nn.Module):
         if n == 0:
             raise ConfigError(f"the token map ({hot_ids.numel()} ids) shares no token with this draft's "
                               f"vocabulary ({ids.numel()} ids); it was made for another model.")
-        w = self._head_weight()[keep.to(self._head_weight().device)]
+        full = self._head_weight()
+        w = full[keep.to(full.device)]
         head = Linear(w.shape[1], n, bias=False, device=w.device, dtype=w.dtype).requires_grad_(False)
         head.weight.copy_(w)
         prepack_for_cpu(head, w.device, w.dtype)
