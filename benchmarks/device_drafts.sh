@@ -9,13 +9,15 @@
 # The job:
 #   1. data: SHARDS processes of benchmarks/draft_data.py side by side (one leaves the GPU idle during
 #      its per-step host work), each writing and answering its own prompts at T=0, joined by --merge;
-#   2. training, side by side: one EAGLE-3 run per entry of RUNS ("name:batch:lr[:hard]", hard: the
-#      --hard-label-weight, default 0; warm-started from
-#      INIT, the target's head) and, with DFLASH=1, a DFlash run warm-started from DFLASH_INIT;
+#   2. training, side by side: one EAGLE-3 run per entry of RUNS ("name:batch:lr[:hard[:aux[:inter]]]";
+#      hard: the --hard-label-weight, default 0; aux: --aux-layer-ids such as 1,14,29, default the
+#      config's; inter: the MLP width, default INTER; warm-started from INIT, the target's head) and,
+#      with DFLASH=1, a DFlash run warm-started from DFLASH_INIT;
 #   3. accept lengths on the GPU (bf16, held-out prompts): spec_accept.py per EAGLE-3 run, dflash_accept.py.
 # The reported accept lengths are measured afterwards in fp32 on CPU (spec_accept.py, dflash_accept.py).
 # Expects the SmolLM2 parts in /tmp/smol (../shared/tools/split-smollm2) and the gguf wheel in .carry/whl.
-# Knobs: SHARDS, GEN_BS, GEN_KV_GB, GEN_BUDGET (s), SEED, OFFLINE, SYNTH, SYNTH_SHARE, RUNS, INIT, INTER,
+# Knobs: SHARDS, GEN_BS, GEN_KV_GB, GEN_BUDGET (s), SEED, OFFLINE, SYNTH, SYNTH_SHARE, OPENER (share of the
+#        synthetic prompts started with a question opener), RUNS, INIT, INTER,
 #        TRAIN_S, DFLASH, DFLASH_INIT, DFLASH_BS, DFLASH_LR, CKPT (set: --checkpoint-logits, so that more
 #        full-vocabulary EAGLE-3 runs fit the GPU: ~55-73 GiB each without it).
 set -uo pipefail
@@ -51,7 +53,7 @@ start)
     for k in $(seq 0 $((N - 1))); do
       echo "OMP_NUM_THREADS=2 python3 benchmarks/draft_data.py --out /tmp/data/p$k --model $M --device cuda \
 --num-prompts ${OFFLINE:-16000} --synth-prompts ${SYNTH:-400000} --synth-share ${SYNTH_SHARE:-0.3} --max-new-tokens 256 \
---batch ${GEN_BS:-512} --kv-cache-memory ${GEN_KV_GB:-16} --shard $k/$N --seed ${SEED:-1000000} \
+--batch ${GEN_BS:-512} --kv-cache-memory ${GEN_KV_GB:-16} --shard $k/$N --seed ${SEED:-1000000} --opener-share ${OPENER:-0} \
 --time-budget ${GEN_BUDGET:-330} > $R/data$k.log 2>&1 &"
     done
     echo "wait"
@@ -59,10 +61,10 @@ start)
 || { echo 'data failed' > $R/done; exit 1; }"
     echo "echo train >> $R/stage.log"
     for run in $RUNS; do
-      IFS=: read -r name bs lr hard <<< "$run"
+      IFS=: read -r name bs lr hard aux inter <<< "$run"
       echo "mkdir -p /tmp/d_$name && ln /tmp/data/data.pt /tmp/d_$name/data.pt"
       echo "python3 -m tercel.cli train-draft --algorithm eagle3 --target $M --out /tmp/d_$name --device cuda \
---max-len 640 --draft-vocab-size 0 --intermediate-size ${INTER:-1536} --batch-size $bs --lr $lr --hard-label-weight ${hard:-0} ${CKPT:+--checkpoint-logits} \
+--max-len 640 --draft-vocab-size 0 --intermediate-size ${inter:-${INTER:-1536}} ${aux:+--aux-layer-ids $aux} --batch-size $bs --lr $lr --hard-label-weight ${hard:-0} ${CKPT:+--checkpoint-logits} \
 ${INIT:+--init-from $INIT} --max-steps 1000000 --time-budget ${TRAIN_S:-700} --save-every 500 > $R/train_$name.log 2>&1 &"
     done
     if [ "${DFLASH:-1}" = 1 ]; then

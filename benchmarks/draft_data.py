@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1024, help="requests running at once (and CUDA-graph max bs)")
     ap.add_argument("--time-budget", type=float, default=None, help="stop starting new waves after this (whole job)")
     ap.add_argument("--synth-share", type=float, default=0.2, help="most of the time budget spent writing prompts")
+    ap.add_argument("--opener-share", type=float, default=0.0,
+                    help="share of the synthetic prompts started with a question / task opener (data.QUESTION_OPENERS)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shard", type=parse_shard, default=(0, 1), help="K/N: this process's part of an N-process job")
     ap.add_argument("--kv-cache-memory", type=float, default=None, help="GB of KV pool (default: most free memory)")
@@ -63,7 +65,7 @@ def main() -> None:
                   kv_cache_memory=kv)
         samples = make_dataset(llm, args.num_prompts, args.synth_prompts, args.max_new_tokens, 0.0, args.seed,
                                wave=4 * args.batch, time_budget_s=args.time_budget, synth_share=args.synth_share,
-                               shard=args.shard)
+                               shard=args.shard, opener_share=args.opener_share)
     save_samples(samples, out / "data.pt")
     n = sum(len(s.response) for s in samples)
     print(f"{len(samples)} samples, {n} response tokens, "

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tercel.train.data import EVAL_CHAT_PROMPTS, synth_user_prompts, user_turn_prefix
+from tercel.train.data import EVAL_CHAT_PROMPTS, EVAL_SUBJECTS, synth_user_prompts, user_turn_prefix
 
 
 def test_user_turn_prefix_is_everything_before_the_users_text(smol_llm):
@@ -61,12 +61,43 @@ def test_synth_prompts_keep_only_finished_distinct_non_eval_texts(smol_llm):
     assert synth_user_prompts(llm, 0) == []
 
 
+def test_opener_prompts_start_with_their_opener_and_skip_eval_subjects(smol_llm):
+    tok = smol_llm.tokenizer
+    canned = [(" the tallest mountain on Earth?", "stop"),     # kept, after its opener
+              (" does the ocean get its salt?", "stop"),       # names an eval subject
+              (" me three facts about owls.", "stop"),         # kept
+              (" a compiler?", "stop")]                        # kept
+    llm = _FakeLLM(tok, canned)
+    got = synth_user_prompts(llm, 3, seed=0, wave=4, openers=("What is", "How", "Give"))
+    assert got == ["What is the tallest mountain on Earth?", "Give me three facts about owls.", "What is a compiler?"]
+    prefix = user_turn_prefix(tok)
+    (asked, _), = llm.calls
+    assert asked == [prefix + tok.encode(o) for o in ("What is", "How", "Give", "What is")]
+    # the Magpie prompts are filtered by the eval subjects too
+    assert synth_user_prompts(_FakeLLM(tok, [("Why is the sky so bright at noon?", "stop")] * 2), 1, wave=2) == []
+
+
+def test_opener_share_splits_the_synthetic_prompts(monkeypatch):
+    import tercel.train.data as data
+
+    calls = []
+    monkeypatch.setattr(data, "synth_user_prompts", lambda llm, n, seed, wave, time_budget_s, openers=():
+                        calls.append((n, seed, openers)) or [f"s{seed}-{i}" for i in range(n)])
+    monkeypatch.setattr(data, "generate_responses", lambda llm, prompts, *a, **kw: [])
+    data.make_dataset("llm", 0, 40, 16, seed=5, shard=(1, 2), opener_share=0.25)
+    assert calls == [(15, 5 + data.SHARD_SEED_STRIDE, ()),
+                     (5, 5 + data.SHARD_SEED_STRIDE + data.SHARD_SEED_STRIDE // 2, data.QUESTION_OPENERS)]
+    with pytest.raises(ValueError, match="opener_share"):
+        data.make_dataset("llm", 0, 40, 16, opener_share=1.5)
+    assert not [o for o in data.QUESTION_OPENERS if data.names_eval_subject(o)]
+
+
 def test_shards_split_the_offline_prompts_and_sample_their_own_prompts(monkeypatch, tmp_path):
     import tercel.train.data as data
 
     asked = {}
 
-    def fake_synth(llm, n, seed, wave, time_budget_s):
+    def fake_synth(llm, n, seed, wave, time_budget_s, openers=()):
         return [f"synth {seed + i}" for i in range(n)]
 
     def fake_answers(llm, prompts, max_new_tokens, temperature, seed, use_tqdm, wave, time_budget_s):
@@ -91,12 +122,6 @@ def test_shards_split_the_offline_prompts_and_sample_their_own_prompts(monkeypat
     merged = data.merge_samples(parts + parts[:1])
     assert len(merged) == len({tuple(s.prompt) for s in merged}) == 39
     assert merged[:len(data.load_samples(parts[0]))] == data.load_samples(parts[0])
-
-
-# words naming the subject of each held-out evaluation prompt (data.EVAL_CHAT_PROMPTS / EVAL_CODE_PROMPTS)
-EVAL_SUBJECTS = ["ocean", "capital of france", "autumn", "hash table", "cook", "sky", "planet", "solar system",
-                 "vaccine", "lighthouse", "hiking", "revers", "prime", "stack", "list comprehension", "count the words",
-                 "counts the words", "recent orders", "merge", "csv", "debounce", "binary search"]
 
 
 def test_prompt_vocabulary_stays_off_the_eval_subjects():

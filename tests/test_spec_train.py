@@ -100,6 +100,27 @@ def test_warm_start_with_a_wider_mlp_computes_what_the_old_draft_did(tmp_path):
         warm_start(new, tmp_path)
 
 
+def test_warm_start_moved_to_another_aux_layer_sees_inputs_of_its_old_scale(tmp_path):
+    """fc columns of a changed aux slot are scaled by old / new RMS per channel: fc(new features) equals
+    fc(old features) when the new layer is the old one scaled per channel; other slots are untouched."""
+    from tercel.train.eagle3 import rescale_fc
+
+    torch.manual_seed(0)
+    tcfg = _tiny_target(tmp_path).engine.model_config
+    src = random_eagle3(tmp_path / "old", tcfg, aux_layer_ids=(0, 2, 4), std=0.3)
+    cfg = EagleDraftConfig.from_dict(eagle3_config_dict(tcfg, draft_vocab_size=None, aux_layer_ids=(0, 2, 3)), tcfg, "n")
+    model = EagleDraftModel(cfg, 64, torch.float32, has_embed=False, has_head=False)
+    assert warm_start(model, src) == (0, 2, 4)
+    h = tcfg.hidden_size
+    old = torch.randn(50, 3 * h)
+    gain = torch.cat([torch.ones(2 * h), torch.rand(h) * 100 + 0.1])  # the new third layer: a per-channel rescale
+    new = old * gain
+    before = model.fc.weight.clone()
+    rescale_fc(model, old, new, [2])
+    torch.testing.assert_close(model.fc(new), F.linear(old, before), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model.fc.weight[:, :2 * h], before[:, :2 * h], rtol=0, atol=0)
+
+
 def test_hard_label_weight_moves_the_loss_onto_the_targets_top1(tmp_path):
     """loss(w) = (1 - w) * soft cross-entropy + w * cross-entropy on the target's argmax, per step."""
     torch.manual_seed(0)
@@ -192,7 +213,10 @@ def test_train_draft_flags_reach_the_trainer_config(monkeypatch, tmp_path):
 
     monkeypatch.setattr(eagle3, "Eagle3Trainer", Stub)
     assert main(["train-draft", "--out", str(tmp_path), "--hard-label-weight", "0.5", "--checkpoint-logits",
-                 "--ttt-steps", "7"]) == 0
+                 "--ttt-steps", "7", "--aux-layer-ids", "1,14,29"]) == 0
     assert (seen[0].hard_label_weight, seen[0].checkpoint_logits, seen[0].ttt_steps) == (0.5, True, 7)
+    assert seen[0].aux_layer_ids == (1, 14, 29)
     main(["train-draft", "--out", str(tmp_path)])
-    assert (seen[1].hard_label_weight, seen[1].checkpoint_logits) == (0.0, False)
+    assert (seen[1].hard_label_weight, seen[1].checkpoint_logits, seen[1].aux_layer_ids) == (0.0, False, None)
+    with pytest.raises(SystemExit):
+        main(["train-draft", "--out", str(tmp_path), "--aux-layer-ids", "1;14"])

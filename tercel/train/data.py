@@ -48,6 +48,31 @@ EVAL_CODE_PROMPTS = [
     "Write a JavaScript function that debounces another function.", "Write a Python function for binary search.",
 ]
 
+# Words naming the subject of each held-out evaluation prompt: no training prompt may name one (the
+# hand-written lists are tested against them; prompts the target writes are filtered by them).
+EVAL_SUBJECTS = ("ocean", "capital of france", "autumn", "hash table", "cook", "sky", "planet", "solar system",
+                 "vaccine", "lighthouse", "hiking", "revers", "prime", "stack", "list comprehension", "count the words",
+                 "counts the words", "recent orders", "merge", "csv", "debounce", "binary search")
+
+# Openers of user messages for synth_user_prompts(openers=...): the Magpie prompts SmolLM2 writes
+# unprompted are mostly long requests for personal advice, whose answers a draft predicts easily
+# (held-out chat accepts ~0.5 tokens less per verify step); starting the turn with a question or task
+# opener makes the target write the short questions and tasks users ask. Generic words only.
+QUESTION_OPENERS = (
+    "What is", "What are", "What was", "Why do", "Why is", "Why are", "How does", "How do", "How can I", "How do I",
+    "Explain", "Explain how", "Describe", "Describe how", "Tell me about", "Tell me a", "Write a short", "Write a",
+    "Write a poem", "Write a story", "Give me", "Give me three", "List", "Summarize", "Compare", "What's the difference",
+    "Can you explain", "What should I", "Which", "Who was", "When did", "Suggest", "Help me", "Is it true that",
+    "Write a Python function", "Write a Python script", "Write a JavaScript function", "Write a SQL query",
+    "Write a function", "How do I write", "In Python, how", "Write a class", "Fix this code", "What does this code",
+)
+
+
+def names_eval_subject(text: str) -> bool:
+    low = text.lower()
+    return any(s in low for s in EVAL_SUBJECTS)
+
+
 # KV pool of a target loaded only to compute training features (the dataset already exists)
 LIGHT_KV_BYTES = 256 << 20
 
@@ -139,10 +164,12 @@ def user_turn_prefix(tok) -> list[int]:
 
 
 def synth_user_prompts(llm, n: int, seed: int = 0, max_tokens: int = 96, temperature: float = 1.0,
-                       top_p: float = 0.95, wave: int = 4096, time_budget_s: float | None = None) -> list[str]:
+                       top_p: float = 0.95, wave: int = 4096, time_budget_s: float | None = None,
+                       openers: tuple[str, ...] = ()) -> list[str]:
     """Up to n distinct user messages written by the target itself: sampled after the user-turn
-    prefix, kept only when the model ended the turn (finish 'stop') and the text is 10-600 chars;
-    the eval prompts are excluded. Needs a chat template."""
+    prefix (request i after openers[i % len(openers)] too, which starts its text), kept only when the
+    model ended the turn (finish 'stop') and the text is 10-600 chars; the eval prompts and any text
+    naming an eval subject are excluded. Needs a chat template."""
     from ..sampling_params import SamplingParams
 
     if n <= 0:
@@ -152,6 +179,7 @@ def synth_user_prompts(llm, n: int, seed: int = 0, max_tokens: int = 96, tempera
         log.warning("no chat template: no synthetic user prompts")
         return []
     prefix = user_turn_prefix(tok)
+    opener_ids = {o: tok.encode(o) for o in ("", *openers)}
     held_out = set(EVAL_CHAT_PROMPTS) | set(EVAL_CODE_PROMPTS)
     seen: set[str] = set()
     out: list[str] = []
@@ -161,13 +189,14 @@ def synth_user_prompts(llm, n: int, seed: int = 0, max_tokens: int = 96, tempera
             break
         params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed + w + i)
                   for i in range(min(wave, tries - w))]
-        outs = llm.generate([prefix] * len(params), params, use_tqdm=False)
+        starts = [openers[(w + i) % len(openers)] if openers else "" for i in range(len(params))]
+        outs = llm.generate([prefix + opener_ids[o] for o in starts], params, use_tqdm=False)
         log.info("synthetic prompts: wave of %d, %d tokens, %.0f s in, %d kept so far", len(outs),
                  sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - start, len(out))
-        for o in outs:
-            text = o.outputs[0].text.strip()
+        for opener, o in zip(starts, outs):
+            text = (opener + o.outputs[0].text).strip()
             if o.outputs[0].finish_reason == "stop" and 10 <= len(text) <= 600 and text not in held_out \
-                    and text not in seen:
+                    and text not in seen and not names_eval_subject(text):
                 seen.add(text)
                 out.append(text)
     return out[:n]
@@ -179,21 +208,32 @@ SHARD_SEED_STRIDE = 10_000_000
 
 def make_dataset(llm, num_prompts: int, synth_prompts: int, max_new_tokens: int, temperature: float = 0.0,
                  seed: int = 0, wave: int = 4096, time_budget_s: float | None = None,
-                 synth_share: float = 0.2, shard: tuple[int, int] = (0, 1)) -> list[Sample]:
+                 synth_share: float = 0.2, shard: tuple[int, int] = (0, 1), opener_share: float = 0.0) -> list[Sample]:
     """The self-distillation dataset: num_prompts offline prompts plus synth_prompts the target wrote,
     shuffled together, answered by the target. time_budget_s bounds the whole job (synth_share of it
-    at most goes to writing prompts). shard=(k, n): this process's part of an n-process job (every
-    n-th offline prompt from the k-th, synth_prompts / n prompts sampled with their own seeds); the
-    parts are joined with merge_samples. Several processes keep one GPU busier than one, whose
-    per-step host work would leave it idle."""
+    at most goes to writing prompts). opener_share of the synthetic prompts start with one of
+    QUESTION_OPENERS (the rest are plain Magpie). shard=(k, n): this process's part of an n-process
+    job (every n-th offline prompt from the k-th, synth_prompts / n prompts sampled with their own
+    seeds); the parts are joined with merge_samples. Several processes keep one GPU busier than one,
+    whose per-step host work would leave it idle."""
     if not 0.0 < synth_share < 1.0:
         raise ValueError(f"synth_share={synth_share} must be in (0, 1): the share of the time budget for writing prompts.")
+    if not 0.0 <= opener_share <= 1.0:
+        raise ValueError(f"opener_share={opener_share} must be in [0, 1]: the share of synthetic prompts started "
+                         "with a question opener.")
     k, n = shard
     if not 0 <= k < n:
         raise ValueError(f"shard=({k}, {n}): the shard index must be in 0..{n - 1} (k of n processes, counted from 0).")
     start = time.perf_counter()
-    synth = synth_user_prompts(llm, math.ceil(synth_prompts / n), seed + k * SHARD_SEED_STRIDE, wave=wave,
-                               time_budget_s=None if time_budget_s is None else time_budget_s * synth_share)
+    per_shard = math.ceil(synth_prompts / n)
+    n_open = round(per_shard * opener_share)
+    synth = []
+    # (count, seed offset, openers): the opener prompts take seeds of their own inside the shard's range
+    for count, offset, openers in ((per_shard - n_open, 0, ()), (n_open, SHARD_SEED_STRIDE // 2, QUESTION_OPENERS)):
+        if count:
+            share = count / per_shard
+            synth += synth_user_prompts(llm, count, seed + k * SHARD_SEED_STRIDE + offset, wave=wave, openers=openers,
+                                        time_budget_s=None if time_budget_s is None else time_budget_s * synth_share * share)
     offline = build_prompts(num_prompts, seed)[k::n]
     prompts = offline + synth
     random.Random(seed).shuffle(prompts)

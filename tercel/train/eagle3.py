@@ -90,10 +90,11 @@ def choose_draft_vocab(samples: list[Sample], size: int, vocab_size: int, always
 
 
 @torch.no_grad()
-def warm_start(model: EagleDraftModel, path: str | Path) -> None:
+def warm_start(model: EagleDraftModel, path: str | Path) -> tuple[int, ...] | None:
     """Copy an exported EAGLE-3 draft's tensors into `model` (overlapping slices where shapes differ).
     A wider MLP keeps the old units and zeroes down_proj's new columns, so it starts as the old draft;
-    a head of another vocabulary is not copied (d2t / t2d are the new model's)."""
+    a head of another vocabulary is not copied (d2t / t2d are the new model's). Returns the source's
+    aux layer ids (None when its config names none)."""
     from ..loader import hf
 
     files = sorted(Path(path).glob("*.safetensors"))
@@ -122,6 +123,23 @@ def warm_start(model: EagleDraftModel, path: str | Path) -> None:
             sl = tuple(slice(0, min(a, b)) for a, b in zip(dst.shape, t.shape))
             dst[sl] = t[sl].to(dst)
     log.info("warm start from %s", path)
+    cfg_file = Path(path) / "config.json"
+    ids = json.loads(cfg_file.read_text()).get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids") \
+        if cfg_file.is_file() else None
+    return tuple(int(i) for i in ids) if ids else None
+
+
+@torch.no_grad()
+def rescale_fc(model: EagleDraftModel, old: torch.Tensor, new: torch.Tensor, changed: list[int]) -> None:
+    """fc columns of the aux slots in `changed` scaled by old / new RMS per channel (old, new: [n, fc_in]
+    features of the warm start's layers and of the new ones), so a warm start moved to other aux layers
+    gets inputs of the scale it learned on (residual streams grow by orders of magnitude with depth)."""
+    width = model.config.target_hidden_size
+    rms_old, rms_new = (x.float().reshape(-1, x.shape[-1]).pow(2).mean(0).sqrt().clamp_min(1e-6) for x in (old, new))
+    for slot in changed:
+        sl = slice(slot * width, (slot + 1) * width)
+        model.fc.weight[:, sl] *= (rms_old[sl] / rms_new[sl]).to(model.fc.weight)
+    log.info("fc rescaled for the new aux layers in slots %s", changed)
 
 
 def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -278,8 +296,7 @@ class Eagle3Trainer:
             if model.lm_head is not None:  # the head starts as the target's head restricted to the draft vocabulary
                 model.lm_head.weight.copy_(target.lm_head_weight[draft_ids.to(target.lm_head_weight.device)].float().cpu())
             model.norm.weight.copy_(target.norm.weight.float().cpu())
-            if cfg.init_from:
-                warm_start(model, cfg.init_from)
+            self.init_aux = warm_start(model, cfg.init_from) if cfg.init_from else None
         model.draft_to_target = draft_ids.clone()
         model = model.to(llm.engine.device)
         model.share_target(target.embed_tokens.weight, target.lm_head_weight)
@@ -361,6 +378,11 @@ class Eagle3Trainer:
                 aux, final = target_features(target, ids, layer_ids)
             if step == 0 and not cfg.init_from:
                 self.init_fc(model, aux[valid.to(dev)])
+            elif step == 0 and self.init_aux and len(self.init_aux) == len(layer_ids) and tuple(sorted(self.init_aux)) != layer_ids:
+                with torch.no_grad(), amp:
+                    old, _ = target_features(target, ids, tuple(sorted(self.init_aux)))
+                rescale_fc(model, old[valid.to(dev)], aux[valid.to(dev)],
+                           [i for i, (a, b) in enumerate(zip(sorted(self.init_aux), layer_ids)) if a != b])
             with amp:
                 loss, accs = ttt_loss(model, embed, aux.float() if dev.type != "cuda" else aux, final, head_rows,
                                       ids, label_mask, cfg.ttt_steps, cfg.hard_label_weight,
