@@ -6,6 +6,9 @@
 #   PHASE=start  : start the job, then watch it until WATCH_S (default 560 s) has passed.
 #   PHASE=watch  : watch until the job ends or WATCH_S has passed.
 #   PHASE=collect: copy the drafts (<run>.tar), the accept lengths and the logs into $OUT.
+# Every watch ends with a collect of whatever exists by then (the trainers export every 500 steps):
+# a machine can be given back between calls (a gap of over ~30 s, e.g. a stalled client), and with it
+# /tmp and the job; one whole experiment was lost that way before this.
 # The job:
 #   1. data: SHARDS processes of benchmarks/draft_data.py side by side (one leaves the GPU idle during
 #      its per-step host work), each writing and answering its own prompts at T=0, joined by --merge;
@@ -39,6 +42,15 @@ watch() {
   for f in $R/train_*.log; do [ -f "$f" ] && echo "$(basename $f): $(tail -c 400 $f | tr '\r' '\n' | grep -v '^$' | tail -1 | cut -c1-200)"; done
   for f in $R/accept_*.log; do [ -f "$f" ] && { echo "$(basename $f):"; grep -E "T=|DFLASH|DDTREE" $f | tail -8; }; done
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+}
+
+collect() {
+  [ -n "${OUT:-}" ] || return 0
+  for d in /tmp/d_*; do
+    [ -f $d/model.safetensors ] && tar -C $d -cf $OUT/$(basename $d).tar config.json model.safetensors train_log.json
+  done
+  [ -d $R ] && tar -C $R -czf $OUT/logs.tgz --exclude job.sh $(cd $R && ls *.log *.json 2>/dev/null)
+  ls -la $OUT; el collected
 }
 
 case "${PHASE:-start}" in
@@ -87,12 +99,7 @@ benchmarks/dflash_accept.py --model $M --draft /tmp/d_dflash --device cuda --nam
   } > $R/job.sh
   setsid nohup bash $R/job.sh > $R/job.out 2>&1 < /dev/null &
   el "job started"
-  watch ;;
-watch) watch ;;
-collect)
-  for d in /tmp/d_*; do
-    [ -f $d/model.safetensors ] && tar -C $d -cf $OUT/$(basename $d).tar config.json model.safetensors train_log.json
-  done
-  tar -C $R -czf $OUT/logs.tgz --exclude job.sh $(cd $R && ls *.log *.json 2>/dev/null)
-  ls -la $OUT; el collected ;;
+  watch; collect ;;
+watch) watch; collect ;;
+collect) collect ;;
 esac
