@@ -5,19 +5,18 @@ and prompts it writes after a question / task opener (tercel.train.data.QUESTION
 A data mix dominated by an easy kind trains the draft for that kind; this shows which kinds are easy.
 
 Usage: PYTHONPATH=. python benchmarks/prompt_mix_accept.py [--model GGUF] [--draft DIR] [--device cpu]
-       [--prompts 20] [--max-tokens 128] [--out benchmarks/results/prompt_mix_accept_smollm2_cpu.json]
+       [--prompts 20] [--max-tokens 128] [--name prompt_mix_accept_smollm2_cpu]  (-> benchmarks/results/NAME.json)
 """
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import environment  # noqa: E402
+from common import environment, write_result  # noqa: E402
 
 
 def prompt_sets(llm, n: int, seed: int) -> dict[str, list[str]]:
@@ -41,7 +40,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=20, help="prompts per generated / sampled set")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=424242, help="seeds of the sampled and written prompts")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "prompt_mix_accept_smollm2_cpu.json"))
+    ap.add_argument("--name", default="prompt_mix_accept_smollm2_cpu", help="results file benchmarks/results/NAME.json")
     args = ap.parse_args()
     from tercel import LLM, SamplingParams
 
@@ -63,13 +62,11 @@ def main() -> None:
                          "examples": prompts[:3], "wall_s": round(time.perf_counter() - t, 1)}
         print(f"{name:22s} {results[name]['mean_accept_length']:.2f} tokens/step, first draft accepted "
               f"{results[name]['first_draft_accepted']:.2f} ({len(prompts)} prompts, {steps} steps)", flush=True)
-    payload = {"benchmark": "EAGLE-3 chain-5 accept length at T=0 by kind of prompt", "environment": environment(),
-               "device": args.device, "model": args.model or "SmolLM2-135M-Instruct (default)",
-               "draft": args.draft or "bundled smollm2-eagle3", "max_tokens": args.max_tokens,
-               "mean_accept_length_definition": "(accepted drafts + bonus) / verify steps", "results": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
-    print("wrote", args.out)
+    print("wrote", write_result(args.name, {
+        "benchmark": "EAGLE-3 chain-5 accept length at T=0 by kind of prompt", "environment": environment(),
+        "device": args.device, "model": args.model or "SmolLM2-135M-Instruct (default)",
+        "draft": args.draft or "bundled smollm2-eagle3", "max_tokens": args.max_tokens,
+        "mean_accept_length_definition": "(accepted drafts + bonus) / verify steps", "results": results}))
 
 
 if __name__ == "__main__":
