@@ -340,6 +340,7 @@ class Eagle3Trainer:
         in_vocab_host = torch.zeros(tcfg.vocab_size, dtype=torch.bool)
         in_vocab_host[draft_ids] = True
         layer_ids = tuple(sorted(model.config.aux_layer_ids))
+        init_ids = tuple(sorted(self.init_aux or ()))  # the warm start's aux layers
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         ckpt_path = self.out / "checkpoint.pt"
@@ -378,11 +379,11 @@ class Eagle3Trainer:
                 aux, final = target_features(target, ids, layer_ids)
             if step == 0 and not cfg.init_from:
                 self.init_fc(model, aux[valid.to(dev)])
-            elif step == 0 and self.init_aux and len(self.init_aux) == len(layer_ids) and tuple(sorted(self.init_aux)) != layer_ids:
+            elif step == 0 and len(init_ids) == len(layer_ids) and init_ids != layer_ids:  # warm start, other layers
                 with torch.no_grad(), amp:
-                    old, _ = target_features(target, ids, tuple(sorted(self.init_aux)))
+                    old, _ = target_features(target, ids, init_ids)
                 rescale_fc(model, old[valid.to(dev)], aux[valid.to(dev)],
-                           [i for i, (a, b) in enumerate(zip(sorted(self.init_aux), layer_ids)) if a != b])
+                           [i for i, (a, b) in enumerate(zip(init_ids, layer_ids)) if a != b])
             with amp:
                 loss, accs = ttt_loss(model, embed, aux.float() if dev.type != "cuda" else aux, final, head_rows,
                                       ids, label_mask, cfg.ttt_steps, cfg.hard_label_weight,
