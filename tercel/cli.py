@@ -141,7 +141,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         out = run_training(args.target, args.out, args.device, args.num_prompts, args.max_new_tokens,
                            args.gen_temperature, args.gen_batch, args.max_len, cfg, args.time_budget, args.seed,
                            gen_time_budget_s=args.gen_time_budget, synth_prompts=args.synth_prompts,
-                           init_from=args.init_from)
+                           init_from=args.init_from, synth_opener_share=args.synth_opener_share)
         print(f"draft written to {out} (load it with --speculative-algorithm DFLASH or DDTREE "
               f"--speculative-draft-model-path {out})")
         return 0
@@ -149,7 +149,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
     cfg = Eagle3TrainConfig(
         out=args.out, target=args.target, device=args.device, num_prompts=args.num_prompts,
-        synth_prompts=args.synth_prompts, max_new_tokens=args.max_new_tokens, gen_temperature=args.gen_temperature, gen_max_num_seqs=args.gen_batch,
+        synth_prompts=args.synth_prompts, synth_opener_share=args.synth_opener_share, max_new_tokens=args.max_new_tokens, gen_temperature=args.gen_temperature, gen_max_num_seqs=args.gen_batch,
         max_len=args.max_len, draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
         ttt_steps=args.ttt_steps, hard_label_weight=args.hard_label_weight,
         checkpoint_logits=args.checkpoint_logits, batch_size=args.batch_size, lr=args.lr, max_steps=args.max_steps,
@@ -193,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--num-prompts", type=int, default=4096, help="prompts built from offline text")
     tr.add_argument("--synth-prompts", type=int, default=4096,
                     help="user prompts the target writes itself (Magpie-style) on top of --num-prompts")
+    tr.add_argument("--synth-opener-share", type=float, default=0.0,
+                    help="share of those prompts started with a question / task opener (short questions like users "
+                         "ask, instead of the long advice requests the target writes unprompted), in [0, 1]")
     tr.add_argument("--max-new-tokens", type=int, default=256, help="response length cap when generating data")
     tr.add_argument("--gen-temperature", type=float, default=0.0)
     tr.add_argument("--gen-batch", type=int, default=512, help="requests generated at once")

@@ -213,9 +213,9 @@ def test_train_draft_flags_reach_the_trainer_config(monkeypatch, tmp_path):
 
     monkeypatch.setattr(eagle3, "Eagle3Trainer", Stub)
     assert main(["train-draft", "--out", str(tmp_path), "--hard-label-weight", "0.5", "--checkpoint-logits",
-                 "--ttt-steps", "7", "--aux-layer-ids", "1,14,29"]) == 0
+                 "--ttt-steps", "7", "--aux-layer-ids", "1,14,29", "--synth-opener-share", "0.6"]) == 0
     assert (seen[0].hard_label_weight, seen[0].checkpoint_logits, seen[0].ttt_steps) == (0.5, True, 7)
-    assert seen[0].aux_layer_ids == (1, 14, 29)
+    assert (seen[0].aux_layer_ids, seen[0].synth_opener_share) == ((1, 14, 29), 0.6)
     main(["train-draft", "--out", str(tmp_path)])
     assert (seen[1].hard_label_weight, seen[1].checkpoint_logits, seen[1].aux_layer_ids) == (0.0, False, None)
     with pytest.raises(SystemExit):

@@ -239,7 +239,7 @@ def run_training(target: str | None, out: str | Path, device: str = "auto", num_
                  max_new_tokens: int = 256, gen_temperature: float = 0.0, gen_batch: int = 512,
                  max_len: int = 512, cfg: DFlashTrainConfig | None = None, time_budget_s: float | None = None,
                  seed: int = 0, gen_time_budget_s: float | None = None, synth_prompts: int = 0,
-                 init_from: str | Path | None = None) -> Path:
+                 init_from: str | Path | None = None, synth_opener_share: float = 0.0) -> Path:
     """The whole job behind `tercel train-draft --algorithm dflash`: data (generated once, kept in
     out/data.pt), then training (resumable from out/trainer_state.pt)."""
     from ..llm import LLM
@@ -257,7 +257,7 @@ def run_training(target: str | None, out: str | Path, device: str = "auto", num_
         samples = load_samples(data_path)
     else:
         samples = make_dataset(llm, num_prompts, synth_prompts, max_new_tokens, gen_temperature, seed,
-                               wave=4 * gen_batch, time_budget_s=gen_time_budget_s)
+                               wave=4 * gen_batch, time_budget_s=gen_time_budget_s, opener_share=synth_opener_share)
         save_samples(samples, data_path)
     samples = [Sample(s.prompt, s.response[:max(0, max_len - len(s.prompt))]) for s in samples if len(s.prompt) < max_len]
     cfg = cfg or DFlashTrainConfig()

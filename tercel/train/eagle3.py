@@ -51,6 +51,7 @@ class Eagle3TrainConfig:
     device: str = "auto"
     num_prompts: int = 4096
     synth_prompts: int = 4096  # user prompts the target writes itself (data.synth_user_prompts)
+    synth_opener_share: float = 0.0  # share of them started with a question / task opener (data.QUESTION_OPENERS)
     max_new_tokens: int = 256
     gen_temperature: float = 0.0
     gen_max_num_seqs: int = 512
@@ -270,7 +271,8 @@ class Eagle3Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         samples = make_dataset(llm, cfg.num_prompts, cfg.synth_prompts, cfg.max_new_tokens, cfg.gen_temperature,
-                               cfg.seed, wave=4 * cfg.gen_max_num_seqs, time_budget_s=cfg.gen_time_budget_s)
+                               cfg.seed, wave=4 * cfg.gen_max_num_seqs, time_budget_s=cfg.gen_time_budget_s,
+                               opener_share=cfg.synth_opener_share)
         save_samples(samples, path)
         n_tok = sum(len(s.response) for s in samples)
         log.info("generated %d responses (%d tokens) in %.0f s", len(samples), n_tok, time.perf_counter() - t0)
