@@ -42,3 +42,23 @@ def test_eagle3_draft_gets_gradients_on_cuda():
     mlp(norm(x)).square().sum().backward()
     assert x.grad is not None and norm.weight.grad is not None and mlp.gate_up_proj.weight.grad is not None
     assert norm.weight.grad.abs().sum() > 0
+
+
+def test_pdl_mode_reads_the_switch(monkeypatch):
+    monkeypatch.setenv("TERCEL_PDL", "late")
+    monkeypatch.setattr(kernels, "_has_pdl", lambda index: True)
+    assert kernels.pdl_mode(torch.randn(2, 8)) == 0  # never on CPU tensors
+
+    class FakeCuda:  # is_cuda without a GPU: only the switch is read
+        is_cuda = True
+        device = torch.device("cuda", 0)
+
+    for value, mode in (("0", 0), ("1", 1), ("early", 1), ("late", 2)):
+        monkeypatch.setenv("TERCEL_PDL", value)
+        assert kernels.pdl_mode(FakeCuda()) == mode
+    monkeypatch.setattr(kernels, "_has_pdl", lambda index: False)  # before Hopper
+    assert kernels.pdl_mode(FakeCuda()) == 0
+    monkeypatch.setenv("TERCEL_PDL", "sometimes")
+
+    with pytest.raises(ValueError, match="TERCEL_PDL='sometimes'.*early, late"):
+        kernels.pdl_mode(FakeCuda())

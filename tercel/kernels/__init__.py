@@ -12,8 +12,9 @@ Switches for side-by-side measurements (benchmarks/decode_variants.py):
   TERCEL_L2_PREFETCH=1    decode attention pulls the o_proj weight into L2 while it runs (measured slower
                           on the H200: off by default)
   TERCEL_DECODE_MAX_SPLITS  most split-KV programs per (request, KV head) in decode attention (default 16)
-  TERCEL_PDL=1            programmatic dependent launch for the decode GEMVs and attention (measured slower
-                          on the H200: off by default)
+  TERCEL_PDL              programmatic dependent launch for the decode GEMVs and attention: 0 (default), early
+                          (alias 1: the next kernel may launch once every program has passed its wait; measured
+                          slower on the H200), late (only once every program has finished its main loop)
 """
 from __future__ import annotations
 
@@ -77,10 +78,24 @@ def _has_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9  # griddepcontrol: Hopper and later
 
 
-def pdl_enabled(t: torch.Tensor) -> bool:
-    """Launch the decode kernels with programmatic dependent launch: a kernel's blocks start while the
-    previous kernel drains and stream their weights, then wait (griddepcontrol.wait) before touching its
-    output. Not under the interpreter, nor before Hopper."""
-    if _INTERPRET or not t.is_cuda or os.environ.get("TERCEL_PDL", "0") != "1":
-        return False
-    return _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())
+def _device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+PDL_MODES = {"0": 0, "early": 1, "1": 1, "late": 2}
+
+
+def pdl_mode(t: torch.Tensor) -> int:
+    """Programmatic dependent launch of the decode kernels: a kernel's blocks start while the previous
+    kernel drains and stream their weights, then wait (griddepcontrol.wait) before touching its output.
+    0: off; 1 (early): a kernel lets the next one launch right after its own wait; 2 (late): only after its
+    main loop, so the next kernel's blocks take the SMs as this one's leave (early ones sit on slots, and
+    land unevenly). Not under the interpreter, nor before Hopper."""
+    if _INTERPRET or not t.is_cuda:
+        return 0
+    mode = os.environ.get("TERCEL_PDL", "0")
+    if mode not in PDL_MODES:
+        raise ValueError(f"TERCEL_PDL={mode!r}: use one of 0, early, late.")
+    if not PDL_MODES[mode]:
+        return 0
+    return PDL_MODES[mode] if _has_pdl(_device_index(t)) else 0

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl_enabled
+from . import pdl_mode
 
 LOG2E = 1.4426950408889634
 
@@ -303,6 +303,7 @@ def _decode_rope_kernel(QK, V, COS, SIN, LOC, KC, VC, BT, SL, O, PO, PL, CNT, PF
         _prefetch_l2(PF, pf_bytes, pid, tl.num_programs(0) * NKV * NUM_SPLITS, 128)
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
     seq_len = tl.load(SL + b).to(tl.int32)
     per = tl.cdiv(seq_len, NUM_SPLITS)
@@ -333,6 +334,8 @@ def _decode_rope_kernel(QK, V, COS, SIN, LOC, KC, VC, BT, SL, O, PO, PL, CNT, PF
     q = (x.to(tl.float32) * c[None, :] + sign[None, :] * xp * sn[None, :]).to(x.dtype)
     m_i, l_i, acc = _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stride_vcs, stride_vch,
                                  stride_bt, qk_scale, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, IEEE)
+    if PDL == 2:  # the keys and values are read: the next kernel (the o_proj GEMV) may start streaming
+        tl.extra.cuda.gdc_launch_dependents()
     _store_split(m_i, l_i, acc, O, PO, PL, b, heads, gm, d, split, stride_ob, stride_oh, stride_pob, stride_poh,
                  stride_pos, stride_plb, stride_plh, NUM_SPLITS)
     if NUM_SPLITS > 1 and MERGE:
@@ -395,7 +398,7 @@ def decode_attention_rope(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, 
         po_strides, pl_strides = (0, 0, 0), (0, 0)
     if not merge_in_kernel:
         counters = seq_lens  # unused
-    pdl = pdl_enabled(qk)
+    pdl = pdl_mode(qk)
     pf, pf_bytes, pf_on = _prefetch_args(prefetch, qk)
     _decode_rope_kernel[(bsz, kv_heads, num_splits)](
         qk, v, cos2, sin2, out_cache_loc, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_l, counters,

@@ -19,8 +19,8 @@ with the rounding of the unfused kernels in fused.py:
   residual     epilogue: returns residual + x @ W^T (the product rounded first, as an add after it)
 out_dtype=torch.float32 stores the product rounded to x's dtype and widened (the lm_head's logits:
 the values of `linear(x, W).float()` without the extra copy kernel).
-With pdl the first weight chunk is read before griddepcontrol.wait, so it streams while the previous
-kernel drains; nothing the previous kernel writes is read, and nothing is written, before the wait.
+With PDL (kernels.pdl_mode) the first weight chunk is read before griddepcontrol.wait, so it streams while
+the previous kernel drains; nothing the previous kernel writes is read, and nothing is written, before the wait.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl_enabled
+from . import pdl_mode
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +58,7 @@ def _gemv_kernel(X, W, Y, R, NW, K, K_PER_SPLIT, stride_w, N, eps, BLOCK_N: tl.c
     w = tl.load(w_ptr + k_start, mask=rm[:, None] & (k_start + cols < k_end)[None, :], other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
     rstd = 0.0
     ss = tl.zeros([BLOCK_K], tl.float32)
@@ -91,6 +92,8 @@ def _gemv_kernel(X, W, Y, R, NW, K, K_PER_SPLIT, stride_w, N, eps, BLOCK_N: tl.c
         acc += w.to(tl.float32) * x[None, :]
         nxt = k0 + BLOCK_K  # the next chunk's load overlaps this chunk's arithmetic
         w = tl.load(w_ptr + nxt, mask=rm[:, None] & (nxt + cols < k_end)[None, :], other=0.0)
+    if PDL == 2:  # the weights are all read: the next kernel may take the SMs this one leaves
+        tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, 1)
     if NORM_AFTER:
         y = y * tl.rsqrt(tl.sum(ss, 0) / K + eps)
@@ -140,7 +143,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig = GemvConfig(
     per_split = triton.cdiv(triton.cdiv(k, c.split_k), c.block_k) * c.block_k
     splits = triton.cdiv(k, per_split)
     out = y if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
-    pdl = pdl_enabled(x)
+    pdl = pdl_mode(x)
     res = residual if residual is not None else y
     if residual is not None and (residual.numel() != n or not residual.is_contiguous()):
         raise ValueError(f"gemv: residual of shape {tuple(residual.shape)} does not fit {n} output rows.")
