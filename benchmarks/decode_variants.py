@@ -26,21 +26,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import environment  # noqa: E402
 from gpu_decode import generate, gpu_copy_bandwidth, graph_step_ms, llama8b_loaded, weight_bytes  # noqa: E402
 
-def _switches(fused: str, attn: str, prefetch: str, pdl: str, splits: str = "16") -> dict[str, str]:
+def _switches(fused: str, attn: str, prefetch: str, pdl: str = "late", splits: str = "16") -> dict[str, str]:
     return {"TERCEL_FUSED_DECODE": fused, "TERCEL_DECODE_ATTN": attn, "TERCEL_L2_PREFETCH": prefetch, "TERCEL_PDL": pdl,
             "TERCEL_DECODE_MAX_SPLITS": splits}
 
 
 VARIANTS = {  # name -> environment switches (tercel/kernels/__init__.py); the first is the default
-    "fused": _switches("1", "rope", "0", "0"),
-    "fused_attn_one": _switches("1", "one", "0", "0"),
-    "fused_attn_split": _switches("1", "split", "0", "0"),
-    "fused_prefetch": _switches("1", "rope", "1", "0"),
-    "fused_pdl": _switches("1", "rope", "0", "early"),
-    "fused_pdl_late": _switches("1", "rope", "0", "late"),
-    "fused_splits4": _switches("1", "rope", "0", "0", "4"),
-    "fused_splits1": _switches("1", "rope", "0", "0", "1"),
-    "unfused": _switches("0", "split", "0", "0"),
+    "fused": _switches("1", "rope", "0"),
+    "fused_attn_one": _switches("1", "one", "0"),
+    "fused_attn_split": _switches("1", "split", "0"),
+    "fused_prefetch": _switches("1", "rope", "1"),
+    "fused_pdl_early": _switches("1", "rope", "0", "early"),
+    "fused_no_pdl": _switches("1", "rope", "0", "0"),
+    "fused_splits4": _switches("1", "rope", "0", splits="4"),
+    "fused_splits1": _switches("1", "rope", "0", splits="1"),
+    "unfused": _switches("0", "split", "0"),
 }
 
 

@@ -4,7 +4,7 @@
 #   tests      GPU tests without SmolLM2 (fused decode vs unfused, kernels, graphs, kernel switch), and the
 #              fused-decode test again without PDL; compute-sanitizer memcheck beside them  -> tests.log, sanitizer.log
 #   variants   benchmarks/decode_variants.py on the Llama-8B shape: the switch sets in $VARIANTS (default: fused,
-#              PDL, 4 and 1 KV splits, unfused), N in $VSTEPS, per-kernel profile of the bucket-1 graph
+#              no PDL, early PDL, 4 and 1 KV splits, unfused), N in $VSTEPS, per-kernel profile of the bucket-1 graph
 #                                                                                       -> decode_variants_llama8b.json
 #   probe      benchmarks/gemv_probe.py                                                 -> gemv_probe.json
 #   bench8b    benchmarks/gpu_decode.py on the Llama-8B shape (defaults; multi-step N = $STEPS, default 8)
@@ -31,7 +31,7 @@ for stage in "$@"; do
       grep -E "ERROR SUMMARY|rc=|sanitize case" $OUT/sanitizer.log | tail -4 ;;
     variants)
       timeout ${VARIANTS_S:-330} python3 benchmarks/decode_variants.py --models llama8b --steps ${VSTEPS:-1,32,64} \
-        --variants ${VARIANTS:-fused,fused_pdl,fused_splits4,fused_splits1,unfused} \
+        --variants ${VARIANTS:-fused,fused_no_pdl,fused_pdl_early,fused_splits4,fused_splits1,unfused} \
         --out $OUT/decode_variants_llama8b.json > $OUT/variants.log 2>&1
       el "variants rc=$?"; grep -vE "^\s*$" $OUT/variants.log | tail -45 | cut -c1-200 ;;
     probe)

@@ -56,6 +56,8 @@ def test_pdl_mode_reads_the_switch(monkeypatch):
     for value, mode in (("0", 0), ("1", 1), ("early", 1), ("late", 2)):
         monkeypatch.setenv("TERCEL_PDL", value)
         assert kernels.pdl_mode(FakeCuda()) == mode
+    monkeypatch.delenv("TERCEL_PDL")
+    assert kernels.pdl_mode(FakeCuda()) == 2  # the default
     monkeypatch.setattr(kernels, "_has_pdl", lambda index: False)  # before Hopper
     assert kernels.pdl_mode(FakeCuda()) == 0
     monkeypatch.setenv("TERCEL_PDL", "sometimes")
