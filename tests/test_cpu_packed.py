@@ -20,11 +20,14 @@ from gguf_utils import write_gguf  # noqa: E402
 
 from tercel import LLM  # noqa: E402
 from tercel.loader import gguf_file  # noqa: E402
-from tercel.models.cpu_linear import (Q4_GROUP, PackedDense, PackedInt4, Q4Blocks, cpu_packing_available,  # noqa: E402
-                                      pack_linear)
+from tercel.models import cpu_linear  # noqa: E402
+from tercel.models.cpu_linear import (Q4_GROUP, PackedDense, PackedInt4, Q4Blocks, UnpackedDense,  # noqa: E402
+                                      cpu_packing_available, dense_packing_available, pack_linear)
 
 pytestmark = pytest.mark.skipif(not cpu_packing_available(), reason="this torch build lacks oneDNN / int4 CPU matmul")
 transformers.logging.set_verbosity_error()
+# what a dense bf16 weight becomes on this CPU: oneDNN packs bf16 only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT
+DENSE = PackedDense if dense_packing_available() else UnpackedDense
 
 TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.05,
@@ -97,12 +100,13 @@ def test_shapes_the_int4_kernel_cannot_take_are_packed_dense():
     with pytest.raises(ValueError, match=r"\[100, 64\]"):
         PackedInt4(odd)
     packed = pack_linear(odd.dequantize(), odd)
-    assert isinstance(packed, PackedDense)
+    assert isinstance(packed, DENSE)
     x = torch.randn(2, 64).bfloat16()
     assert torch.allclose(packed(x).float(), torch.zeros(2, 100))
     assert isinstance(pack_linear(torch.zeros(96, 64), _blocks(96, 64)), PackedInt4)
 
 
+@pytest.mark.skipif(not dense_packing_available(), reason="this CPU's oneDNN has no bf16 weight packing")
 @pytest.mark.parametrize("rows", [1, 7])
 def test_packed_dense_equals_f_linear(rows):
     w = torch.randn(80, 64).bfloat16()
@@ -111,6 +115,30 @@ def test_packed_dense_equals_f_linear(rows):
     out = PackedDense(w)(x)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 80)
     assert (out.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+
+def test_dense_packing_probe_tells_whether_onednn_takes_bf16_weights():
+    w = torch.randn(32, 64).bfloat16()
+    if dense_packing_available():
+        PackedDense(w)
+    else:  # AVX2-only CPUs: the error the probe saw, so every dense weight stays an UnpackedDense
+        with pytest.raises(RuntimeError, match="bf16"):
+            PackedDense(w)
+
+
+def test_without_bf16_packing_dense_weights_run_through_f_linear(monkeypatch, tiny_gguf):
+    monkeypatch.setattr(cpu_linear, "dense_packing_available", lambda: False)
+    w, x = torch.randn(80, 64).bfloat16(), torch.randn(3, 64).bfloat16()
+    packed = pack_linear(w, None)
+    assert isinstance(packed, UnpackedDense) and packed.weight.data_ptr() == w.data_ptr()  # no copy
+    assert torch.equal(packed(x), torch.nn.functional.linear(x, w))
+    assert isinstance(pack_linear(torch.zeros(96, 64), _blocks(96, 64)), PackedInt4)  # 4-bit needs no oneDNN
+    ref, q4 = _tiny(tiny_gguf["Q4_0"], "float32"), _tiny(tiny_gguf["Q4_0"], "bfloat16")
+    assert isinstance(q4.engine.model.lm_head_gemv, UnpackedDense)
+    assert isinstance(q4.engine.model.layers[0].self_attn.qkv_proj.gemv, PackedInt4)
+    for ids in PROMPTS:
+        want = last_logits(ref, ids)
+        assert (last_logits(q4, ids) - want).abs().max() <= 0.03 * want.abs().max()
 
 
 def _tiny(path: Path, dtype: str, **kw) -> LLM:
@@ -125,8 +153,8 @@ def test_bf16_model_keeps_4bit_weights_and_is_as_close_to_fp32_as_dense_bf16(tin
     layer = q4.engine.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj.gemv, PackedInt4) and isinstance(layer.mlp.down_proj.gemv, PackedInt4)
     assert layer.self_attn.qkv_proj.weight.numel() == 0  # the dense copy is dropped
-    assert isinstance(q4.engine.model.lm_head_gemv, PackedDense)  # the Q8_0 tied head: dense bf16
-    assert isinstance(dense.engine.model.layers[0].self_attn.qkv_proj.gemv, PackedDense)
+    assert isinstance(q4.engine.model.lm_head_gemv, DENSE)  # the Q8_0 tied head: dense bf16
+    assert isinstance(dense.engine.model.layers[0].self_attn.qkv_proj.gemv, DENSE)
     assert ref.engine.model.layers[0].self_attn.qkv_proj.gemv is None  # fp32 stays the exact reference
     for ids in PROMPTS:
         want = last_logits(ref, ids)
@@ -166,7 +194,7 @@ def test_bf16_drafts_of_smollm2_are_prepacked_and_still_accept(smol_path, smol_c
               speculative_algorithm=algorithm)
     drafter = llm.engine.spec.drafter
     draft = drafter.model if algorithm == "EAGLE3" else drafter.draft
-    assert isinstance(draft.fc.gemv, PackedDense)
+    assert isinstance(draft.fc.gemv, DENSE)
     out = llm.generate(smol_chat_ids[:2], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 32 for o in out)
     accept = [o.metrics.mean_accept_length for o in out]

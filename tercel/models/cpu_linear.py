@@ -2,7 +2,9 @@
 
 F.linear on a bf16 CPU tensor re-lays the weight out for oneDNN on every call, so a bf16 decode
 step is slower than fp32 on the same CPU. Packing each weight once at load time removes that:
-  - PackedDense: the weight reordered for oneDNN (torch.ops.mkldnn); any linear.
+  - PackedDense: the weight reordered for oneDNN (torch.ops.mkldnn); any linear. oneDNN takes bf16
+    weights only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; elsewhere (e.g. AVX2-only) a
+    dense weight stays an UnpackedDense: plain F.linear, correct but without the packing's speed.
   - PackedInt4:  a GGUF Q4_0 / Q4_1 weight kept at 4 bits (torch's int4 CPU matmul, groups of 32):
     a quarter of the bf16 bytes, and a decode step is bound by the bytes of weight it reads.
 Both take bf16 activations and return bf16. GGUF stores w = d * q + m per block of 32 (Q4_0:
@@ -12,9 +14,11 @@ rounding them to bf16 errs by the same relative amount (2^-9) as rounding the de
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 Q4_GROUP = 32  # GGUF Q4_0 / Q4_1 block length along the input dimension
 
@@ -62,6 +66,35 @@ class PackedDense(CpuPackedLinear):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+class UnpackedDense(CpuPackedLinear):
+    """The bf16 weight as it is, through F.linear: where this CPU's oneDNN cannot reorder bf16 weights."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight.detach().to(torch.bfloat16)  # no copy when it already is bf16
+        self.out_features = self.weight.shape[0]
+        self.nbytes = self.weight.numel() * self.weight.element_size()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias)
+
+
+@functools.lru_cache(maxsize=1)
+def dense_packing_available() -> bool:
+    """Whether oneDNN packs and multiplies bf16 weights on this CPU: asked once, on a 16 x 16 weight
+    (torch raises 'bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq')."""
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 16, dtype=torch.bfloat16), w, None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+def pack_dense(weight: torch.Tensor) -> CpuPackedLinear:
+    """PackedDense where this CPU's oneDNN takes bf16 weights, else UnpackedDense."""
+    return PackedDense(weight) if dense_packing_available() else UnpackedDense(weight)
+
+
 class PackedInt4(CpuPackedLinear):
     @staticmethod
     def supports(n: int, k: int) -> bool:
@@ -92,7 +125,7 @@ def pack_linear(weight: torch.Tensor, blocks: Q4Blocks | None) -> CpuPackedLinea
     """4-bit when the weight came as 4-bit blocks of a shape the kernel takes, else dense bf16."""
     if blocks is not None and PackedInt4.supports(*blocks.q.shape):
         return PackedInt4(blocks)
-    return PackedDense(weight)
+    return pack_dense(weight)
 
 
 def cpu_packing_available() -> bool:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import use_triton
-from .cpu_linear import CpuPackedLinear, PackedDense, wants_cpu_packing
+from .cpu_linear import CpuPackedLinear, pack_dense, wants_cpu_packing
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, gemv_config=None, bias: torch.Tensor | None = None,
@@ -45,9 +45,9 @@ class Linear(nn.Linear):
 
 def prepack_for_cpu(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """bf16 on CPU: every Linear of a loaded, frozen `module` gets a oneDNN-prepacked copy of its
-    weight (models.cpu_linear); otherwise nothing changes."""
+    weight (models.cpu_linear.pack_dense: F.linear where this CPU cannot pack bf16); otherwise nothing changes."""
     if not wants_cpu_packing(device, dtype):
         return
     for m in module.modules():
         if isinstance(m, Linear) and m.weight.numel():
-            m.gemv = PackedDense(m.weight)
+            m.gemv = pack_dense(m.weight)

@@ -25,7 +25,7 @@ from ..config import ConfigError, ModelConfig
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from ..kernels import fused_decode_enabled, use_triton
 from ..kv import PagedKVCache
-from .cpu_linear import CpuPackedLinear, PackedDense, PackedInt4, Q4Blocks, pack_linear
+from .cpu_linear import CpuPackedLinear, PackedInt4, Q4Blocks, pack_dense, pack_linear
 from .linear import Linear, linear
 from .rope import RotaryEmbedding, apply_rope
 
@@ -279,7 +279,7 @@ class LlamaForCausalLM(nn.Module):
             mlp.gate_up_proj.gemv = pack(mlp.gate_up_proj, [f"{pre}mlp.{p}_proj.weight" for p in ("gate", "up")])
             mlp.down_proj.gemv = pack(mlp.down_proj, [f"{pre}mlp.down_proj.weight"])
         if self.lm_head is None:  # tied: the embedding table stays for lookups, the head gets its own packing
-            self.lm_head_gemv = PackedDense(self.embed_tokens.weight)
+            self.lm_head_gemv = pack_dense(self.embed_tokens.weight)
         else:
             self.lm_head.gemv = pack(self.lm_head, ["lm_head.weight"])
 
