@@ -38,6 +38,7 @@ VARIANTS = {  # name -> environment switches (tercel/kernels/__init__.py); the f
     "fused_prefetch": _switches("1", "rope", "1"),
     "fused_pdl_early": _switches("1", "rope", "0", "early"),
     "fused_no_pdl": _switches("1", "rope", "0", "0"),
+    "fused_pdl_norm": _switches("1", "rope", "0", "late_norm"),
     "fused_splits4": _switches("1", "rope", "0", splits="4"),
     "fused_splits1": _switches("1", "rope", "0", splits="1"),
     "unfused": _switches("0", "split", "0"),

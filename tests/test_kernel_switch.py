@@ -53,7 +53,7 @@ def test_pdl_mode_reads_the_switch(monkeypatch):
         is_cuda = True
         device = torch.device("cuda", 0)
 
-    for value, mode in (("0", 0), ("1", 1), ("early", 1), ("late", 2)):
+    for value, mode in (("0", 0), ("1", 1), ("early", 1), ("late", 2), ("late_norm", 3)):
         monkeypatch.setenv("TERCEL_PDL", value)
         assert kernels.pdl_mode(FakeCuda()) == mode
     monkeypatch.delenv("TERCEL_PDL")
@@ -62,5 +62,5 @@ def test_pdl_mode_reads_the_switch(monkeypatch):
     assert kernels.pdl_mode(FakeCuda()) == 0
     monkeypatch.setenv("TERCEL_PDL", "sometimes")
 
-    with pytest.raises(ValueError, match="TERCEL_PDL='sometimes'.*early, late"):
+    with pytest.raises(ValueError, match="TERCEL_PDL='sometimes'.*early, late, late_norm"):
         kernels.pdl_mode(FakeCuda())

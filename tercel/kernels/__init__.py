@@ -14,7 +14,8 @@ Switches for side-by-side measurements (benchmarks/decode_variants.py):
   TERCEL_DECODE_MAX_SPLITS  most split-KV programs per (request, KV head) in decode attention (default 16)
   TERCEL_PDL              programmatic dependent launch for the decode GEMVs and attention: late (default: the
                           next kernel may launch once every program has finished its main loop), early (alias 1:
-                          once every program has passed its wait; measured slower on the H200), 0 (off)
+                          once every program has passed its wait; measured slower on the H200), 0 (off),
+                          late_norm (late, and the RMSNorm kernel takes part too: not yet measured)
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def _device_index(t: torch.Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
-PDL_MODES = {"0": 0, "early": 1, "1": 1, "late": 2}
+PDL_MODES = {"0": 0, "early": 1, "1": 1, "late": 2, "late_norm": 3}
 
 
 def pdl_mode(t: torch.Tensor) -> int:
@@ -90,12 +91,13 @@ def pdl_mode(t: torch.Tensor) -> int:
     kernel drains and stream their weights, then wait (griddepcontrol.wait) before touching its output.
     0: off; 1 (early): a kernel lets the next one launch right after its own wait; 2 (late): only after its
     main loop, so the next kernel's blocks take the SMs as this one's leave (early ones sit on slots, and
-    land unevenly). Not under the interpreter, nor before Hopper."""
+    land unevenly); 3 (late_norm): late, and the RMSNorm kernel (kernels.fused) launches so too, between
+    the o_proj and gate_up GEMVs that the tuner leaves unfused. Not under the interpreter, nor before Hopper."""
     if _INTERPRET or not t.is_cuda:
         return 0
     mode = os.environ.get("TERCEL_PDL", "late")  # late: 4.09 against 4.14 ms per 8B step off (8e60d47)
     if mode not in PDL_MODES:
-        raise ValueError(f"TERCEL_PDL={mode!r}: use one of 0, early, late.")
+        raise ValueError(f"TERCEL_PDL={mode!r}: use one of 0, early, late, late_norm.")
     if not PDL_MODES[mode]:
         return 0
     return PDL_MODES[mode] if _has_pdl(_device_index(t)) else 0

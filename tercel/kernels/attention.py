@@ -334,7 +334,7 @@ def _decode_rope_kernel(QK, V, COS, SIN, LOC, KC, VC, BT, SL, O, PO, PL, CNT, PF
     q = (x.to(tl.float32) * c[None, :] + sign[None, :] * xp * sn[None, :]).to(x.dtype)
     m_i, l_i, acc = _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stride_vcs, stride_vch,
                                  stride_bt, qk_scale, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, IEEE)
-    if PDL == 2:  # the keys and values are read: the next kernel (the o_proj GEMV) may start streaming
+    if PDL >= 2:  # the keys and values are read: the next kernel (the o_proj GEMV) may start streaming
         tl.extra.cuda.gdc_launch_dependents()
     _store_split(m_i, l_i, acc, O, PO, PL, b, heads, gm, d, split, stride_ob, stride_oh, stride_pob, stride_poh,
                  stride_pos, stride_plb, stride_plh, NUM_SPLITS)

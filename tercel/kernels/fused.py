@@ -15,13 +15,20 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl_mode
+
+PDL_NORM = 3  # kernels.pdl_mode's late_norm: the RMSNorm kernel launches with PDL too
+
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, Y, ROUT, stride_x, stride_r, stride_y, stride_ro, n_cols, eps,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < n_cols
+    w = tl.load(W + offs, mask=m, other=0.0)  # the weight never depends on the previous kernel
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     x = tl.load(X + row * stride_x + offs, mask=m, other=0.0)
     if HAS_RES:
         r = tl.load(R + row * stride_r + offs, mask=m, other=0.0)
@@ -29,7 +36,8 @@ def _rms_norm_kernel(X, R, W, Y, ROUT, stride_x, stride_r, stride_y, stride_ro, 
         tl.store(ROUT + row * stride_ro + offs, x, mask=m)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    w = tl.load(W + offs, mask=m, other=0.0)
+    if PDL:  # the inputs are read: the next kernel (a GEMV) may start streaming its weights
+        tl.extra.cuda.gdc_launch_dependents()
     y = (xf * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
     tl.store(Y + row * stride_y + offs, y.to(x.dtype), mask=m)
 
@@ -44,8 +52,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty_like(x2)
     n = x2.shape[-1]
     if x2.shape[0]:
+        pdl = pdl_mode(x2) == PDL_NORM
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, x2.stride(0), x2.stride(0), y.stride(0), y.stride(0),
-                                         n, eps, HAS_RES=False, BLOCK=triton.next_power_of_2(n), num_warps=4)
+                                         n, eps, HAS_RES=False, BLOCK=triton.next_power_of_2(n), PDL=pdl, num_warps=4,
+                                         **(dict(launch_pdl=True) if pdl else {}))
     return y.view(x.shape)
 
 
@@ -57,9 +67,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     r_out = torch.empty_like(x2)
     n = x2.shape[-1]
     if x2.shape[0]:
+        pdl = pdl_mode(x2) == PDL_NORM
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, r_out, x2.stride(0), r2.stride(0), y.stride(0),
                                          r_out.stride(0), n, eps, HAS_RES=True, BLOCK=triton.next_power_of_2(n),
-                                         num_warps=4)
+                                         PDL=pdl, num_warps=4, **(dict(launch_pdl=True) if pdl else {}))
     return y.view(x.shape), r_out.view(x.shape)
 
 

@@ -92,7 +92,7 @@ def _gemv_kernel(X, W, Y, R, NW, K, K_PER_SPLIT, stride_w, N, eps, BLOCK_N: tl.c
         acc += w.to(tl.float32) * x[None, :]
         nxt = k0 + BLOCK_K  # the next chunk's load overlaps this chunk's arithmetic
         w = tl.load(w_ptr + nxt, mask=rm[:, None] & (nxt + cols < k_end)[None, :], other=0.0)
-    if PDL == 2:  # the weights are all read: the next kernel may take the SMs this one leaves
+    if PDL >= 2:  # the weights are all read: the next kernel may take the SMs this one leaves
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, 1)
     if NORM_AFTER:
