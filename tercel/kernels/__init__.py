@@ -83,7 +83,8 @@ def _device_index(t: torch.Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
-PDL_MODES = {"0": 0, "early": 1, "1": 1, "late": 2, "late_norm": 3}
+PDL_LATE_NORM = 3
+PDL_MODES = {"0": 0, "early": 1, "1": 1, "late": 2, "late_norm": PDL_LATE_NORM}
 
 
 def pdl_mode(t: torch.Tensor) -> int:
@@ -98,6 +99,5 @@ def pdl_mode(t: torch.Tensor) -> int:
     mode = os.environ.get("TERCEL_PDL", "late")  # late: 4.09 against 4.14 ms per 8B step off (8e60d47)
     if mode not in PDL_MODES:
         raise ValueError(f"TERCEL_PDL={mode!r}: use one of 0, early, late, late_norm.")
-    if not PDL_MODES[mode]:
-        return 0
-    return PDL_MODES[mode] if _has_pdl(_device_index(t)) else 0
+    level = PDL_MODES[mode]
+    return level if level and _has_pdl(_device_index(t)) else 0

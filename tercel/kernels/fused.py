@@ -15,9 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl_mode
-
-PDL_NORM = 3  # kernels.pdl_mode's late_norm: the RMSNorm kernel launches with PDL too
+from . import PDL_LATE_NORM, pdl_mode
 
 
 @triton.jit
@@ -52,7 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty_like(x2)
     n = x2.shape[-1]
     if x2.shape[0]:
-        pdl = pdl_mode(x2) == PDL_NORM
+        pdl = pdl_mode(x2) == PDL_LATE_NORM  # only late_norm launches the norm with PDL
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, x2.stride(0), x2.stride(0), y.stride(0), y.stride(0),
                                          n, eps, HAS_RES=False, BLOCK=triton.next_power_of_2(n), PDL=pdl, num_warps=4,
                                          **(dict(launch_pdl=True) if pdl else {}))
@@ -67,7 +65,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     r_out = torch.empty_like(x2)
     n = x2.shape[-1]
     if x2.shape[0]:
-        pdl = pdl_mode(x2) == PDL_NORM
+        pdl = pdl_mode(x2) == PDL_LATE_NORM
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, r_out, x2.stride(0), r2.stride(0), y.stride(0),
                                          r_out.stride(0), n, eps, HAS_RES=True, BLOCK=triton.next_power_of_2(n),
                                          PDL=pdl, num_warps=4, **(dict(launch_pdl=True) if pdl else {}))
