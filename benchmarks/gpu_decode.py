@@ -179,6 +179,10 @@ def bench_engine(engine, eager_engine, make_prompts, name: str, args, bw: float)
     res["tokens"] = got[:32]
     # bs=1 latency: token ids out (like HF generate), then with incremental detokenization as served
     def bs1(n_runs):
+        # untimed warm-up runs: the first timed runs on a fresh machine were up to 1.7x slower than the
+        # rest (gpu_decode_smollm2_9ac6945_first_on_machine.json and the run at e625b6e)
+        for _ in range(args.warmup):
+            generate(engine, prompt, args.new_tokens)
         runs = []
         for _ in range(n_runs):
             torch.cuda.synchronize()
@@ -336,6 +340,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--tput-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed runs before each bs=1 measurement")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--num-scheduler-steps", type=int, default=8,
