@@ -107,11 +107,12 @@ def main() -> None:
             rows = 0
             for p, out in zip(ids, plain):
                 seq = p + list(out.outputs[0].token_ids)
+                x = torch.tensor(seq)
                 top1 = ttt_top1(draft, eng.model, seq, args.steps)
                 accepted += replay_chain(top1, seq, len(p))
                 for j in range(args.steps):  # teacher-forced top-1 accuracy of step j over the answer's rows
                     r = torch.arange(len(p) - 1, len(seq) - 2 - j)
-                    hits[j] += int((top1[r, j] == torch.tensor(seq)[r + 2 + j]).sum())
+                    hits[j] += int((top1[r, j] == x[r + 2 + j]).sum())
                 rows += len(seq) - len(p) - 1
             steps_m = sum(o.metrics.spec_verify_steps for o in measured)
             acc_m = sum(o.metrics.spec_accepted_tokens for o in measured)

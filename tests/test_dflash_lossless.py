@@ -4,7 +4,6 @@ the bundled trained draft), and sampled output follows exactly the target's dist
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import transformers
 from scipy.stats import chisquare
 
 from dflash_utils import write_random_dflash
-from spec_utils import tiny_llama_target
+from spec_utils import full_lossless, tiny_llama_target
 from tercel import LLM, SamplingParams
 from tercel.sampling import filter_logits
 
@@ -121,14 +120,12 @@ def test_greedy_equals_plain_on_smollm2(smol_llm, smol_prompts, smol_plain, algo
     assert llm.engine.spec_stats().accepted_tokens > 0  # drafts do get accepted
 
 
-# Every config of acceptance item 1 at batch 1 and 8 on all 20 prompts x 64 tokens: ~10 CPU minutes, so CI
-# runs the subsets above; TERCEL_FULL_LOSSLESS=1 runs it (log: benchmarks/results/lossless_full_matrix_cpu.log).
+# acceptance item 1 to the letter: every config at batch 8 and 1 on all 20 prompts (spec_utils.full_lossless)
 FULL_CASES = [("DFLASH", {}), ("DDTREE", {"speculative_ddtree_budget": 4}), ("DDTREE", {"speculative_ddtree_budget": 16}),
               ("DDTREE", {"speculative_ddtree_budget": 64})]
 
 
-@pytest.mark.skipif(os.environ.get("TERCEL_FULL_LOSSLESS") != "1",
-                    reason="the full lossless matrix runs with TERCEL_FULL_LOSSLESS=1")
+@full_lossless
 @pytest.mark.parametrize("batch", [8, 1], ids=["bs8", "bs1"])
 @pytest.mark.parametrize("algo,kw", FULL_CASES, ids=["dflash", "ddtree4", "ddtree16", "ddtree64"])
 def test_full_matrix_equals_plain(smol_llm, smol_prompts, smol_plain, algo, kw, batch):

@@ -4,13 +4,11 @@ with mixed prompt lengths, on SmolLM2 (20 prompts x 64 tokens) and on a random-c
 verify keeps the right KV when the accepted path runs through later siblings; KV is all returned."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import transformers
 
-from spec_utils import OracleTreeDrafter, spec_llm
+from spec_utils import OracleTreeDrafter, full_lossless, spec_llm
 from tercel import LLM, SamplingParams
 from tercel.spec import DEFAULT_EAGLE3_DRAFT, DEFAULT_EAGLE3_TOKEN_MAP
 from tercel.spec.ngram import ngram_lookup
@@ -88,17 +86,14 @@ def test_greedy_batch1_equals_plain(smol_llm, prompts, plain, kw):
     _check(spec_llm(smol_llm, max_num_seqs=1, **kw), prompts[1::10], plain[1::10], n=32)
 
 
-# The whole matrix of acceptance item 1 (every config x batch 1 and 8 x all 20 prompts x 64 tokens) costs
-# ~15 CPU minutes, so CI runs the spread subsets above; TERCEL_FULL_LOSSLESS=1 runs all of it
-# (log: benchmarks/results/lossless_full_matrix_cpu.log).
-FULL = os.environ.get("TERCEL_FULL_LOSSLESS") == "1"
+# acceptance item 1 to the letter: every config at batch 8 and 1 on all 20 prompts (spec_utils.full_lossless)
 FULL_CONFIGS = [("ngram", None, dict(speculative_algorithm="NGRAM"))] + [
     (f"eagle3-{head}-{shape}", head, dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=topk,
                                           speculative_num_draft_tokens=n))
     for head in ("trained", "random") for shape, topk, n in (("chain", 1, None), ("tree8", 4, 8), ("tree16", 4, 16))]
 
 
-@pytest.mark.skipif(not FULL, reason="the full lossless matrix runs with TERCEL_FULL_LOSSLESS=1")
+@full_lossless
 @pytest.mark.parametrize("batch", [8, 1], ids=["bs8", "bs1"])
 @pytest.mark.parametrize("name,head,kw", FULL_CONFIGS, ids=[c[0] for c in FULL_CONFIGS])
 def test_full_matrix_equals_plain(smol_llm, prompts, plain, random_head, name, head, kw, batch):
