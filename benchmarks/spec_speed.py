@@ -1,7 +1,7 @@
 """Decode speed with and without speculative decoding: plain (CUDA graphs on a GPU, and eager) vs
 NGRAM, EAGLE3 (chain and tree), DFLASH and DDTREE with the bundled drafts on SmolLM2 at batch 1 and 16,
-greedy, fixed-length outputs. The speculative steps run eagerly (no graphs yet). Prints a table;
-writes a JSON. A sanity run: no speed goal.
+greedy, fixed-length outputs. Speculative steps replay CUDA graphs (verify, the EAGLE draft loop and
+draft_extend); `*-eager` rows run them without graphs. Prints a table; writes a JSON.
 
 Usage: PYTHONPATH=. python benchmarks/spec_speed.py [--model PATH] [--draft DIR] [--device cuda]
        [--new-tokens 128] [--out benchmarks/results/spec_speed_smollm2_h200.json]
@@ -9,6 +9,7 @@ Usage: PYTHONPATH=. python benchmarks/spec_speed.py [--model PATH] [--draft DIR]
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -20,7 +21,8 @@ from common import copy_bandwidth, environment  # noqa: E402
 
 CONFIGS = [  # (name, algorithm, topk, num_draft_tokens, engine keywords)
     ("plain", None, None, None, {}), ("plain-eager", None, None, None, {"disable_cuda_graph": True}),
-    ("ngram", "NGRAM", 1, 6, {}), ("eagle3-chain-5", "EAGLE3", 1, None, {}), ("eagle3-tree-topk4-8", "EAGLE3", 4, 8, {}),
+    ("ngram", "NGRAM", 1, 6, {}), ("eagle3-chain-5", "EAGLE3", 1, None, {}),
+    ("eagle3-chain-5-eager", "EAGLE3", 1, None, {"disable_cuda_graph": True}), ("eagle3-tree-topk4-8", "EAGLE3", 4, 8, {}),
     ("dflash-16", "DFLASH", None, None, {}), ("ddtree-16", "DDTREE", None, None, {"speculative_ddtree_budget": 16}),
 ]
 
@@ -34,7 +36,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batch-sizes", default="1,16")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--configs", default=",".join(c[0] for c in CONFIGS))
     ap.add_argument("--out", default=None, help="default: benchmarks/results/spec_speed_smollm2_{h200,cpu}.json")
     args = ap.parse_args()
@@ -50,7 +52,9 @@ def main() -> None:
     drafts["DDTREE"] = drafts["DFLASH"]
     out = args.out or str(Path(__file__).parent / "results" /
                           f"spec_speed_smollm2_{'h200' if args.device.startswith('cuda') else 'cpu'}.json")
-    base = LLM(args.model, device=args.device, progress=False)
+    # fixed KV pools: each engine would otherwise take 85% of whatever memory the previous ones left
+    kv = {"kv_cache_memory": 4 << 30} if args.device.startswith("cuda") else {}
+    base = LLM(args.model, device=args.device, progress=False, **kv)
     tok = base.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in EVAL_CHAT_PROMPTS + EVAL_CODE_PROMPTS]
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
@@ -60,11 +64,15 @@ def main() -> None:
     for name, algo, topk, n, extra in (c for c in CONFIGS if c[0] in wanted):
         if extra.get("disable_cuda_graph") and not args.device.startswith("cuda"):
             continue  # on the CPU plain is eager already
+        llm = None
+        gc.collect()  # the previous config's engine, KV pool and graphs go before the next one takes memory
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
         llm = LLM.__new__(LLM)
         llm.engine = LLMEngine(loaded=base.engine.loaded, device=args.device, dtype=base.engine.dtype,
                                speculative_algorithm=algo, speculative_draft_model_path=drafts.get(algo),
                                speculative_eagle_topk=topk, speculative_num_draft_tokens=n,
-                               speculative_token_map=args.token_map if algo == "EAGLE3" else None, **extra)
+                               speculative_token_map=args.token_map if algo == "EAGLE3" else None, **kv, **extra)
         llm.generate(prompts[:2], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))  # warm-up
         for bs in (int(b) for b in args.batch_sizes.split(",")):
             batch = [prompts[i % len(prompts)] for i in range(bs)]
@@ -79,8 +87,14 @@ def main() -> None:
                 mal = (sum(o.metrics.spec_accepted_tokens for o in outs) + steps) / steps if steps else None
             wall = statistics.median(times)
             tps = bs * args.new_tokens / wall
+            spec = llm.engine.spec
+            runners = {} if spec is None else {"verify": spec.verify_runner,
+                                               "draft": getattr(spec.drafter, "loop_runner", None),
+                                               "draft_extend": getattr(spec.drafter, "extend_runner", None)}
+            graphs = {k: {"replays": r.stats.replays, "eager": r.stats.eager, "why": dict(r.stats.fallbacks)}
+                      for k, r in runners.items() if r is not None}
             rows.append({"config": name, "batch_size": bs, "tokens_per_s": round(tps, 1), "wall_s": round(wall, 3),
-                         "mean_accept_length": round(mal, 3) if mal else None})
+                         "mean_accept_length": round(mal, 3) if mal else None, "graphs": graphs})
             print(f"{name:22s} bs={bs:3d}: {tps:8.1f} tok/s  accept length {mal or 1:.2f}", flush=True)
     params_bytes = sum(p.numel() * p.element_size() for p in base.engine.model.parameters())
     bw = copy_bandwidth(args.device) if args.device.startswith("cuda") else None

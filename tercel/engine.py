@@ -46,6 +46,7 @@ from .detokenizer import update_text
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
+SPEC_GRAPH_MAX_BS = 64  # largest batch whose speculative steps are captured (larger ones run eagerly)
 
 
 @dataclass(slots=True)
@@ -203,15 +204,35 @@ class LLMEngine:
                         self.gemv_choices = self.model.gemv_choices = tune_model(self.model)
                     except Exception as e:  # never fatal: tune_model sets nothing unless it finishes
                         log.warning("batch-1 GEMV tuning failed (%s); using cuBLAS for every linear", e)
-            if not disable_cuda_graph:
-                from .graphs import GraphConfig
-                from .graphs.steps import decode_graph_runner
+        # CPU tests drive the same runners with the breakable-debug backend (forwards re-run on static buffers)
+        if not disable_cuda_graph and (self.device.type == "cuda" or cuda_graph_backend == "breakable-debug"):
+            self._init_graphs(cuda_graph_max_bs, cuda_graph_bs, cuda_graph_backend, max_num_seqs)
 
-                graph_config = GraphConfig(max_bs=min(cuda_graph_max_bs or 256, max_num_seqs),
-                                           batch_sizes=tuple(cuda_graph_bs) if cuda_graph_bs else None,
-                                           backend=cuda_graph_backend)
-                self.graph_runner = decode_graph_runner(self.model, self.kv, self.config.max_model_len, graph_config,
-                                                        extra_tokens=self.spec.extra_slots if self.spec else 0)
+    def _init_graphs(self, max_bs: int | None, batch_sizes: list[int] | None, backend: str, max_num_seqs: int) -> None:
+        from .graphs import GraphConfig
+        from .graphs.steps import decode_graph_runner
+
+        graph_config = GraphConfig(max_bs=min(max_bs or 256, max_num_seqs),
+                                   batch_sizes=tuple(batch_sizes) if batch_sizes else None, backend=backend)
+        extra = self.spec.extra_slots if self.spec else 0
+        self.graph_runner = decode_graph_runner(self.model, self.kv, self.config.max_model_len, graph_config,
+                                                extra_tokens=extra)
+        if self.spec is not None:
+            # speculative steps hold logits for every verified token: their buckets stop lower
+            spec_max = min(graph_config.max_bs, SPEC_GRAPH_MAX_BS)
+            sizes = tuple(b for b in graph_config.buckets() if b <= spec_max) or (spec_max,)
+            spec_config = GraphConfig(max_bs=spec_max, backend=backend, batch_sizes=sizes)
+            max_blocks = -(-(self.config.max_model_len + extra) // self.kv.block_size) + 1
+            start = time.perf_counter()
+            self.spec.init_graphs(spec_config, max_blocks)
+            log.info("captured speculative graphs (batch sizes up to %d) in %.1f s", spec_max,
+                     time.perf_counter() - start)
+
+    def upload(self, lists: list[list[int]]) -> list[torch.Tensor]:
+        """Small integer lists to the device as int64 tensors: one pinned copy on a GPU."""
+        if self._stager is not None:
+            return self._stager.upload(lists)
+        return [torch.tensor(x, dtype=torch.long, device=self.device) for x in lists]
 
     def _num_blocks(self, spec: KVCacheSpec) -> int:
         if self.config.num_kv_blocks is not None:

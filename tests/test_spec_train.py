@@ -65,10 +65,10 @@ def test_training_time_test_matches_the_engines_draft(tmp_path, head_from_target
     torch.testing.assert_close(req.spec_state.logits, step0, rtol=1e-4, atol=1e-4)
     caught, orig = [], model.compute_logits
     model.compute_logits = lambda h: caught.append(orig(h)) or caught[-1]
-    tree = eng.spec.drafter.propose([req])[0]
+    chains = eng.spec.drafter.propose([req])  # greedy chains: drafted on the device, [B, steps + 1]
     model.compute_logits = orig
-    step1 = _ttt_logits(model, target, seq + [tree.tokens[1]], 2)[1][len(prompt) - 1]
-    torch.testing.assert_close(caught[0][0, 0], step1, rtol=1e-4, atol=1e-4)
+    step1 = _ttt_logits(model, target, seq + [int(chains.tokens[0, 1])], 2)[1][len(prompt) - 1]
+    torch.testing.assert_close(caught[0][0], step1, rtol=1e-4, atol=1e-4)
 
 
 def test_warm_start_with_a_wider_mlp_computes_what_the_old_draft_did(tmp_path):

@@ -107,6 +107,15 @@ class StepKind:
     def prepare_replay(self, static: ForwardBatch, num_live: int) -> None:
         """Refresh static metadata outside the graph (attention backends with planners)."""
 
+    def live_outputs(self, out: Any, num_live: int, mode: CaptureHiddenMode) -> Any:
+        """The live requests' rows of a replay's static outputs (views, valid until the next replay).
+        Model steps: logits (and hidden states) of num_live * tokens_per_request rows."""
+        rows = num_live * self.tokens_per_request
+        hidden = None
+        if mode != CaptureHiddenMode.NULL and out.hidden_states is not None:
+            hidden = out.hidden_states[:rows]
+        return ModelOutput(logits=out.logits[:rows], hidden_states=hidden)
+
 
 @dataclass(slots=True)
 class CapturedGraph:
@@ -253,7 +262,7 @@ class CudaGraphRunner:
             return self._fallback(str(e), batch)
         captured.graph.replay()
         self.stats.replays += 1
-        return self._live_outputs(captured.outputs, n, mode)
+        return self.step.live_outputs(captured.outputs, n, mode)
 
     def stage_inputs(self, batch: ForwardBatch, captured: CapturedGraph, bucket: int) -> None:
         """Everything a replay does on the host before graph.replay(): copy the live inputs into the
@@ -266,13 +275,6 @@ class CudaGraphRunner:
     def _drop_stale(self, key: tuple) -> None:
         for b in [b for b, g in self.graphs.items() if g.key != key and g.mode != CaptureHiddenMode.NULL]:
             del self.graphs[b]
-
-    def _live_outputs(self, out: ModelOutput, n: int, mode: CaptureHiddenMode) -> ModelOutput:
-        rows = n * self.step.tokens_per_request
-        hidden = None
-        if mode != CaptureHiddenMode.NULL and out.hidden_states is not None:
-            hidden = out.hidden_states[:rows]
-        return ModelOutput(logits=out.logits[:rows], hidden_states=hidden)
 
 
 class _FullGraph:

@@ -76,6 +76,7 @@ class DFlashDrafter(Drafter):
         self.draft = draft
         self.block_size = block_size
         self.tree_budget = tree_budget  # None: chain (DFLASH)
+        self.uses_trees = tree_budget is not None
         self.tree_topk = tree_topk
         self.aux_layer_ids = draft.config.target_layer_ids
         self.mask_token_id = draft.config.mask_token_id

@@ -8,6 +8,7 @@ Per-request state lives on `Request.spec_state`, so it goes away with the reques
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from ..forward_batch import CaptureHiddenMode
 from ..request import Request
 from .tree import DraftTree
 from .verify import Accepted
+
+if TYPE_CHECKING:
+    from ..graphs.runner import GraphConfig
 
 
 @dataclass(slots=True)
@@ -27,17 +31,29 @@ class ExtendedChunk:
     row_offset: int
 
 
+@dataclass(slots=True)
+class DeviceChains:
+    """Greedy chains drafted on the device and not read by the host yet: [B, W] target ids, the root
+    first. The host learns them with the verify result, in the step's one sync."""
+    tokens: torch.Tensor
+
+
 class Drafter:
     # which hidden states the target must return on every forward (NULL: none)
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
     # target layer outputs (layer-id convention: output of layer L) that the hidden states hold
     aux_layer_ids: tuple[int, ...] = ()
+    # True when proposals may branch (verify then needs tree masks)
+    uses_trees: bool = False
+
+    def init_graphs(self, config: "GraphConfig", max_blocks: int) -> None:
+        """Capture the drafter's own steps (draft loop, draft_extend) for every bucket; default: none."""
 
     def ready(self, req: Request) -> bool:
         """Can this decoding request be drafted for now (its draft state is current)?"""
         return True
 
-    def propose(self, reqs: list[Request]) -> list[DraftTree]:
+    def propose(self, reqs: list[Request]) -> list[DraftTree] | DeviceChains:
         raise NotImplementedError
 
     def after_extend(self, chunks: list[ExtendedChunk], hidden: torch.Tensor | None) -> None:

@@ -28,7 +28,10 @@ from ..kv import PagedKVCache
 from ..models.eagle3 import EagleDraftModel, load_eagle_draft
 from ..request import Request
 from ..sampling import filter_logits, sample_probs
-from .drafter import Drafter, ExtendedChunk
+from ..graphs.runner import CudaGraphRunner, GraphConfig
+from .batching import blocks_covering, padded_tables, slot_of
+from .drafter import DeviceChains, Drafter, ExtendedChunk
+from .eagle_steps import DraftExtendBatch, DraftLoopBatch, EagleDraftLoopStep, EagleExtendStep
 from .tree import DraftTree, select_tree_nodes
 from .verify import Accepted
 
@@ -44,6 +47,7 @@ class EagleState:
     valid_for: int  # the request's num_computed_tokens this state belongs to
     hidden: torch.Tensor  # [H] draft pre-norm hidden at position valid_for - 1
     logits: torch.Tensor  # [Vd] draft logits there: the distribution of the token after the root
+    first: torch.Tensor  # [] target id of their top-1: a greedy chain's first draft
 
 
 class _PrefixAttention:
@@ -113,6 +117,16 @@ class EagleDrafter(Drafter):
         self.kv = PagedKVCache(model.kv_spec(engine.kv.block_size, engine.dtype), engine.kv.num_blocks, engine.device)
         self.scale = model.config.layers.head_dim ** -0.5
         self.vocab_size = engine.model_config.vocab_size
+        self.uses_trees = topk > 1
+        # static-shape steps (eagle_steps.py): eager until init_graphs captures them
+        lc = model.config.layers
+        backend = type(engine.model.attn_backend)(lc.num_heads, lc.num_kv_heads, lc.head_dim, None)
+        max_position = engine.config.max_model_len - 1
+        self.max_blocks = -(-(engine.config.max_model_len + num_draft_tokens) // engine.kv.block_size) + 1
+        self.loop_step = EagleDraftLoopStep(model, self.kv, backend, self.max_blocks, max_position, num_steps)
+        self.extend_step = EagleExtendStep(model, self.kv, backend, self.max_blocks, max_position, num_draft_tokens)
+        self.loop_runner: CudaGraphRunner | None = None
+        self.extend_runner: CudaGraphRunner | None = None
 
     @classmethod
     def load(cls, engine: "LLMEngine", cfg: "SpecConfig") -> "EagleDrafter":
@@ -178,8 +192,9 @@ class EagleDrafter(Drafter):
         last = torch.tensor([len(t) - 1 for t in ids], device=dev) + torch.arange(b, device=dev) * width
         h_last = out[last]
         logits = self.model.compute_logits(h_last)
+        first = self._to_target(logits.argmax(-1))
         for i, r in enumerate(reqs):
-            r.spec_state = EagleState(starts[i] + len(ids[i]), h_last[i], logits[i])
+            r.spec_state = EagleState(starts[i] + len(ids[i]), h_last[i], logits[i], first[i])
 
     def after_extend(self, chunks: list[ExtendedChunk], hidden: torch.Tensor | None) -> None:
         reqs = [c.request for c in chunks]
@@ -192,18 +207,57 @@ class EagleDrafter(Drafter):
 
     def after_verify(self, reqs: list[Request], trees: list[DraftTree], accepted: list[Accepted],
                      row_offsets: list[int], hidden: torch.Tensor | None) -> None:
-        starts, ids, rows = [], [], []
+        """draft_extend over the root and the accepted drafts, num_draft_tokens rows per request (a static
+        shape: the rest are padding rows that write the dummy slot)."""
+        w, bs = self.num_draft_tokens, self.kv.block_size
+        ids, positions, slots, seq_lens, last, rows = [], [], [], [], [], []
         for r, acc, off in zip(reqs, accepted, row_offsets):
-            k = len(acc.nodes)
-            start = r.num_computed_tokens - 1 - k  # the root's position
-            starts.append(start)
-            ids.append(r.token_slice(start + 1, start + k + 2))
-            rows.append(hidden[torch.tensor([off] + [off + j for j in acc.nodes], device=hidden.device)])
-        # a fixed width per request (num_draft_tokens): static shape, padding rows hit the dummy slot
-        self._extend(reqs, starts, ids, rows, self.num_draft_tokens)
+            n = len(acc.nodes) + 1
+            start = r.num_computed_tokens - n  # the root's position
+            ids += r.token_slice(start + 1, start + n + 1) + [0] * (w - n)
+            positions += range(start, start + w)
+            slots += [slot_of(r.block_table, start + j, bs) for j in range(n)] + [0] * (w - n)
+            seq_lens.append(start + w)
+            last.append(n - 1)
+            rows += [off] + [off + j for j in acc.nodes] + [off] * (w - n)
+        cols = blocks_covering(max(seq_lens), bs)
+        t = self.engine.upload([ids, positions, slots, seq_lens, padded_tables(reqs, cols), last, rows])
+        batch = DraftExtendBatch(t[0], hidden[t[6]], t[1], t[2], t[3], t[4].view(len(reqs), cols), t[5], seq_lens)
+        out = self._run(self.extend_runner, self.extend_step, batch)
+        # the outputs are graph buffers that the next replay overwrites: the states keep a copy
+        h, logits, first = out.hidden.clone(), out.logits.clone(), out.first.clone()
+        for i, r in enumerate(reqs):
+            r.spec_state = EagleState(r.num_computed_tokens, h[i], logits[i], first[i])
+
+    # ---- graphs --------------------------------------------------------------------------
+    def init_graphs(self, config: GraphConfig, max_blocks: int) -> None:
+        self.max_blocks = max_blocks
+        self.loop_step.max_blocks = self.extend_step.max_blocks = max_blocks
+        self.extend_runner = CudaGraphRunner(self.extend_step, config, self.engine.device)
+        self.extend_runner.capture_all()
+        if self.topk == 1:
+            self.loop_runner = CudaGraphRunner(self.loop_step, config, self.engine.device)
+            self.loop_runner.capture_all()
+
+    @staticmethod
+    def _run(runner: CudaGraphRunner | None, step, batch):
+        return runner.run(batch) if runner is not None else step.eager(batch)
+
+    def _propose_on_device(self, reqs: list[Request]) -> DeviceChains:
+        """The greedy chain draft loop for the whole batch in one step (a graph replay when captured)."""
+        states = [r.spec_state for r in reqs]
+        base = [r.num_computed_tokens for r in reqs]
+        roots = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in reqs]
+        cols = blocks_covering(max(base) + self.num_steps, self.kv.block_size)
+        t = self.engine.upload([roots, base, padded_tables(reqs, cols)])
+        batch = DraftLoopBatch(t[0], torch.stack([s.first for s in states]), torch.stack([s.hidden for s in states]),
+                               t[1], t[2].view(len(reqs), cols), base)
+        return DeviceChains(self._run(self.loop_runner, self.loop_step, batch))
 
     # ---- the draft loop ------------------------------------------------------------------
-    def propose(self, reqs: list[Request]) -> list[DraftTree]:
+    def propose(self, reqs: list[Request]) -> list[DraftTree] | DeviceChains:
+        if self.topk == 1 and all(r.params.greedy for r in reqs):
+            return self._propose_on_device(reqs)
         dev = self.engine.device
         b, k, steps = len(reqs), self.topk, self.num_steps
         base = [r.num_computed_tokens for r in reqs]

@@ -106,3 +106,28 @@ def accept_sampling(tree: DraftTree, logits: torch.Tensor, req: Request) -> Acce
             return Accepted(nodes, sample_from_probs(p, req))
         nodes.append(accepted)
         cur = accepted
+
+
+def accept_greedy_batched(argmax: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor,
+                          parents: torch.Tensor | None = None, depth: torch.Tensor | None = None,
+                          masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance of a whole verify batch on the device, no host sync.
+
+    argmax, tokens: [B, W] (the target's argmax at each node, the node's token); lens: [B] real nodes.
+    Chains (parents None): the accepted count is the run of leading drafts equal to the argmax before
+    them. Trees: node j is correct when its token is the argmax at its parent; it is reachable when every
+    node on its root path is correct (masks: ancestor-or-self); the deepest reachable node ends the
+    accepted path (siblings carry distinct tokens, so at most one node per depth is reachable).
+    Returns (the last accepted node [B], the bonus token: the argmax there [B])."""
+    w = tokens.shape[1]
+    real = torch.arange(w, device=tokens.device)[None, :] < lens[:, None]
+    if parents is None:
+        match = (tokens[:, 1:] == argmax[:, :-1]) & real[:, 1:]
+        best = match.to(torch.int32).cumprod(1).sum(1).long()
+    else:
+        correct = (tokens == argmax.gather(1, parents.clamp(min=0))) & real & (parents >= 0)
+        correct[:, 0] = True
+        wrong_on_path = torch.bmm(masks.float(), (~correct).float()[..., None])[..., 0]
+        reachable = (wrong_on_path == 0) & real
+        best = torch.where(reachable, depth, -1).argmax(1)
+    return best, argmax.gather(1, best[:, None])[:, 0]

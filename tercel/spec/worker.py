@@ -18,14 +18,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..forward_batch import CaptureHiddenMode, ForwardBatch
+from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
+from ..graphs.runner import CudaGraphRunner, GraphConfig
+from ..graphs.steps import ModelStep
 from ..outputs import RequestOutput
 from ..request import Request
 from ..scheduler import ScheduledRequest
 from ..sampling import Sampler, greedy_tokens
-from .drafter import Drafter, ExtendedChunk
+from .batching import slot_of, verify_batch
+from .drafter import DeviceChains, Drafter, ExtendedChunk
 from .tree import DraftTree
-from .verify import Accepted, accept_greedy, accept_sampling, context_free
+from .verify import Accepted, accept_greedy, accept_greedy_batched, accept_sampling, context_free
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine
@@ -62,6 +65,7 @@ class SpecWorker:
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens  # nodes per tree, root included
         self.stats = SpecStats()
+        self.verify_runner: CudaGraphRunner | None = None  # init_graphs: captured verify steps
 
     @property
     def extra_slots(self) -> int:
@@ -109,29 +113,68 @@ class SpecWorker:
             self.drafter.after_extend(alive, out.hidden_states)
         return outputs
 
+    # ---- graphs ----------------------------------------------------------------------------
+    def init_graphs(self, config: GraphConfig, max_blocks: int) -> None:
+        """Capture target verify (num_draft_tokens per request, tree masks when the drafter branches, at
+        the drafter's capture-hidden mode) and the drafter's own steps, every bucket, now: after the
+        aux-layer set and the draft's shared embedding / lm_head are fixed, so the graphs bind them."""
+        self._sync_target()
+        eng = self.engine
+        step = ModelStep(eng.model, eng.kv, max_blocks, self.num_draft_tokens, custom_mask=self.drafter.uses_trees,
+                         name="verify")
+        self.verify_runner = CudaGraphRunner(step, config, eng.device)
+        with torch.inference_mode():
+            self.verify_runner.capture_all(self.drafter.capture_hidden_mode)
+            self.drafter.init_graphs(config, max_blocks)
+
+    def _verify(self, batch: ForwardBatch) -> ModelOutput:
+        if batch.query_lens[0] == 1 and self.drafter.capture_hidden_mode == CaptureHiddenMode.NULL:
+            return self.engine.run_model(batch)  # nothing drafted anywhere: a plain decode step
+        if self.verify_runner is not None:
+            return self.verify_runner.run(batch)
+        return self.engine.model(batch, self.engine.kv)
+
     # ---- the spec step -------------------------------------------------------------------
     def _spec_step(self, reqs: list[Request]) -> list[RequestOutput]:
         eng = self.engine
-        # 1. draft (trimmed so no position passes max_model_len and no draft passes max_tokens)
-        trees = []
-        for r, t in zip(reqs, self.drafter.propose(reqs)):
-            room = min(eng.config.max_model_len - r.num_computed_tokens,
-                       r.params.max_tokens - len(r.output_token_ids))
-            trees.append(t.truncated(max(1, room)))
-        # 2. verify: every node of every tree in one target forward
-        batch, offsets = self._verify_batch(reqs, trees)
-        out = eng.model(batch, eng.kv)
-        # 3. accept
+        # 1. draft: host trees, or greedy chains that stay on the device until the step's one sync
+        proposal = self.drafter.propose(reqs)
+        width = self.num_draft_tokens
+        trees: list[DraftTree] | None = None
+        device_tokens = None
+        if isinstance(proposal, DeviceChains):
+            device_tokens = proposal.tokens
+        else:  # no node past max_model_len; a request past max_tokens stops at its emit
+            trees = [t.truncated(max(1, min(width, eng.config.max_model_len - r.num_computed_tokens)))
+                     for r, t in zip(reqs, proposal)]
+            if max(len(t) for t in trees) == 1 and self.drafter.capture_hidden_mode == CaptureHiddenMode.NULL:
+                width = 1
+        # 2. verify: every request `width` rows (trees padded), one target forward (a graph replay when captured)
+        masks = self.drafter.uses_trees and width > 1
+        batch, layout = verify_batch(reqs, trees, device_tokens, width, eng.kv.block_size,
+                                     self.drafter.capture_hidden_mode, masks, eng.upload, eng.device)
+        out = self._verify(batch)
         logits = out.logits
-        argmax = greedy_tokens(logits).tolist() if any(r.params.greedy and context_free(r) for r in reqs) else None
+        # 3. accept: greedy on the device for the whole batch; the step's one host sync reads the result
+        b = len(reqs)
+        argmax = greedy_tokens(logits).view(b, width)
+        best, bonus = accept_greedy_batched(argmax, layout.tokens, layout.lens, layout.parents, layout.depth,
+                                            layout.masks)
+        fetch = [best[:, None], bonus[:, None]] + ([layout.tokens] if trees is None else [])
+        host = torch.cat(fetch, 1).tolist()
+        if trees is None:
+            trees = [DraftTree.chain(row[2], row[3:]) for row in host]
         accepted: list[Accepted] = []
-        for r, t, off in zip(reqs, trees, offsets):
-            rows = logits[off:off + len(t)]
-            if r.params.greedy:
-                acc = accept_greedy(t, rows, r, argmax[off:off + len(t)] if context_free(r) else None)
+        for i, (r, t) in enumerate(zip(reqs, trees)):
+            rows = logits[i * width:i * width + len(t)]
+            if r.params.greedy and context_free(r):
+                acc = Accepted(t.path_to(host[i][0])[1:], host[i][1])
+            elif r.params.greedy:
+                acc = accept_greedy(t, rows, r)
             else:
                 acc = accept_sampling(t, rows, r)
             accepted.append(acc)
+        offsets = [i * width for i in range(b)]
         # 4. emit tokens (stop checks per token), keep the accepted KV, free the rest
         outputs: list[RequestOutput] = []
         moves: list[tuple[int, int]] = []
@@ -168,43 +211,10 @@ class SpecWorker:
         return outputs
 
     def _slot(self, r: Request, pos: int) -> int:
-        bs = self.engine.kv.block_size
-        return r.block_table[pos // bs] * bs + pos % bs
+        return slot_of(r.block_table, pos, self.engine.kv.block_size)
 
     def _free_unused_blocks(self, r: Request) -> None:
         need = -(-r.num_tokens // self.engine.kv.block_size)
         if len(r.block_table) > need:
             self.engine.kv.allocator.free(r.block_table[need:])
             del r.block_table[need:]
-
-    def _verify_batch(self, reqs: list[Request], trees: list[DraftTree]) -> tuple[ForwardBatch, list[int]]:
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        offsets: list[int] = []
-        masks: list[torch.Tensor | None] = []
-        for r, t in zip(reqs, trees):
-            base = r.num_computed_tokens
-            offsets.append(len(ids))
-            ids += t.tokens
-            positions += [base + d for d in t.depth]
-            slots += [self._slot(r, base + j) for j in range(len(t))]
-            seq_lens.append(base + len(t))
-            masks.append(None if t.is_chain else t.attention_mask())
-        width = max(len(r.block_table) for r in reqs)
-        tables = [r.block_table + [0] * (width - len(r.block_table)) for r in reqs]
-        dev = self.engine.device
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            out_cache_loc=torch.tensor(slots, dtype=torch.long, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
-            logits_indices=torch.arange(len(ids), device=dev),
-            query_lens=[len(t) for t in trees],
-            seq_lens_cpu=seq_lens,
-            custom_masks=masks if any(m is not None for m in masks) else None,
-            capture_hidden_mode=self.drafter.capture_hidden_mode,
-        )
-        return batch, offsets

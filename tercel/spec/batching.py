@@ -1,0 +1,96 @@
+"""Pure batch-building pieces the speculative steps share: KV slot of a position, block tables padded
+to a width (0 = the dummy block, so a read past a request's blocks lands there), the width that covers
+a span of positions, and the verify batch for trees / chains padded to a uniform width."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..forward_batch import CaptureHiddenMode, ForwardBatch
+from ..request import Request
+from .tree import DraftTree
+
+Upload = Callable[[Sequence[Sequence[int]]], list[torch.Tensor]]
+
+
+def slot_of(block_table: Sequence[int], pos: int, block_size: int) -> int:
+    return block_table[pos // block_size] * block_size + pos % block_size
+
+
+def blocks_covering(end: int, block_size: int) -> int:
+    """Block-table width that covers positions [0, end)."""
+    return -(-end // block_size)
+
+
+def padded_tables(reqs: Sequence[Request], width: int) -> list[int]:
+    """The requests' block tables cut or zero-padded to `width`, flattened row by row."""
+    out: list[int] = []
+    for r in reqs:
+        t = r.block_table[:width]
+        out += t + [0] * (width - len(t))
+    return out
+
+
+@dataclass(slots=True)
+class VerifyLayout:
+    """Device views of a uniform verify batch that acceptance reads (B requests x W rows)."""
+    width: int
+    tokens: torch.Tensor  # [B, W] the verified tokens (padding rows: the root again)
+    lens: torch.Tensor  # [B] real nodes per request (rows past it are padding)
+    parents: torch.Tensor | None  # [B, W] trees: parent node (-1: root or padding)
+    depth: torch.Tensor | None  # [B, W] trees
+    masks: torch.Tensor | None  # [B, W, W] trees: ancestor-or-self (the attention mask)
+
+
+def verify_batch(reqs: Sequence[Request], trees: Sequence[DraftTree] | None, device_tokens: torch.Tensor | None,
+                 width: int, block_size: int, mode: CaptureHiddenMode, with_masks: bool, upload: Upload,
+                 device: torch.device) -> tuple[ForwardBatch, VerifyLayout]:
+    """Every request gets `width` rows: node j of its tree at KV slot base + j (RoPE position base +
+    depth[j]); rows past the tree are padding that writes the dummy slot. Token ids come from the trees
+    (host) or, for device-drafted chains, from `device_tokens` [B, W]."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    lens: list[int] = []
+    parents: list[int] = []
+    depth: list[int] = []
+    for i, r in enumerate(reqs):
+        base = r.num_computed_tokens
+        n = len(trees[i]) if trees is not None else width
+        pad = width - n
+        if trees is not None:
+            t = trees[i]
+            ids += t.tokens + [t.tokens[0]] * pad
+            positions += [base + d for d in t.depth] + [base] * pad
+            if with_masks:
+                parents += t.parents + [-1] * pad
+                depth += t.depth + [0] * pad
+        else:
+            positions += range(base, base + width)
+        slots += [slot_of(r.block_table, base + j, block_size) for j in range(n)] + [0] * pad
+        seq_lens.append(base + width)
+        lens.append(n)
+    cols = blocks_covering(max(seq_lens), block_size)
+    lists = [positions, slots, seq_lens, padded_tables(reqs, cols), lens, ids, parents, depth]
+    t_pos, t_slots, t_lens, t_tables, t_n, t_ids, t_par, t_depth = upload(lists)
+    b = len(reqs)
+    if device_tokens is not None:
+        t_ids = device_tokens.reshape(-1)
+    masks = None
+    if with_masks:
+        host = torch.zeros(b, width, width, dtype=torch.bool)
+        host[:, range(width), range(width)] = True  # padding rows see themselves only: never an empty row
+        for i, t in enumerate(trees):
+            host[i, :len(t), :len(t)] = t.attention_mask()
+        masks = host.to(device, non_blocking=True)
+    batch = ForwardBatch(
+        input_ids=t_ids, positions=t_pos, out_cache_loc=t_slots, seq_lens=t_lens,
+        block_tables=t_tables.view(b, cols), logits_indices=torch.arange(b * width, device=device),
+        query_lens=[width] * b, seq_lens_cpu=seq_lens,
+        custom_masks=list(masks.unbind(0)) if masks is not None else None, capture_hidden_mode=mode)
+    layout = VerifyLayout(width, t_ids.view(b, width), t_n, t_par.view(b, width) if with_masks else None,
+                          t_depth.view(b, width) if with_masks else None, masks)
+    return batch, layout

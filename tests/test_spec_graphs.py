@@ -1,0 +1,144 @@
+"""Speculative steps under the graph runner, tested on the CPU with the breakable-debug backend (every
+captured forward re-runs on the static buffers: the marshalling, padding policies and static shapes of
+verify, the EAGLE draft loop and draft_extend are exercised; only the CUDA graph itself is not).
+
+Graph-mode greedy output equals eager-mode output equals plain output (fp32, SmolLM2), for every
+algorithm, as batches shrink and requests are cancelled; the graphs are really replayed; batched device
+acceptance equals the host walk of the tree."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from spec_utils import spec_llm
+from tercel import SamplingParams
+from tercel.spec.tree import DraftTree
+from tercel.spec.verify import accept_greedy, accept_greedy_batched
+
+GRAPHS = dict(cuda_graph_backend="breakable-debug", max_model_len=320)
+ALGOS = {
+    "ngram": dict(speculative_algorithm="NGRAM"),
+    "eagle3-chain": dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1),
+    "eagle3-tree": dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_num_draft_tokens=16),
+    "dflash": dict(speculative_algorithm="DFLASH"),
+    "ddtree": dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=8),
+}
+
+
+def _random_tree(rng: random.Random, n: int, vocab: int) -> DraftTree:
+    parents = [-1] + [rng.randrange(j) for j in range(1, n)]
+    tokens = [rng.randrange(vocab)]
+    for j in range(1, n):  # siblings carry distinct tokens, as every drafter's do
+        used = {tokens[c] for c in range(1, j) if parents[c] == parents[j]}
+        tokens.append(rng.choice([t for t in range(vocab) if t not in used]))
+    return DraftTree(tokens, parents)
+
+
+@pytest.mark.parametrize("chains", [True, False])
+def test_batched_device_acceptance_equals_the_host_walk(chains):
+    rng = random.Random(0)
+    vocab, width, b = 5, 9, 64  # a small vocabulary: long accepted runs happen often
+    trees = [DraftTree.chain(rng.randrange(vocab), [rng.randrange(vocab) for _ in range(rng.randrange(width))])
+             if chains else _random_tree(rng, rng.randrange(1, width + 1), vocab) for _ in range(b)]
+    argmax = torch.randint(0, vocab, (b, width), generator=torch.Generator().manual_seed(1))
+    for i, t in enumerate(trees):  # the target agrees with most drafts: long accepted paths happen
+        for j in range(1, len(t)):
+            if rng.random() < 0.7:
+                argmax[i, t.parents[j]] = t.tokens[j]
+    tokens = torch.tensor([t.tokens + [t.tokens[0]] * (width - len(t)) for t in trees])
+    lens = torch.tensor([len(t) for t in trees])
+    extra = {}
+    if not chains:
+        masks = torch.eye(width, dtype=torch.bool).repeat(b, 1, 1)
+        for i, t in enumerate(trees):
+            masks[i, :len(t), :len(t)] = t.attention_mask()
+        extra = dict(parents=torch.tensor([t.parents + [-1] * (width - len(t)) for t in trees]),
+                     depth=torch.tensor([t.depth + [0] * (width - len(t)) for t in trees]), masks=masks)
+    best, bonus = accept_greedy_batched(argmax, tokens, lens, **extra)
+    total = 0
+    for i, t in enumerate(trees):
+        logits = torch.nn.functional.one_hot(argmax[i, :len(t)], vocab).float()
+        ref = accept_greedy(t, logits, None, argmax[i, :len(t)].tolist())
+        assert t.path_to(int(best[i]))[1:] == ref.nodes and int(bonus[i]) == ref.bonus
+        total += len(ref.nodes)
+    assert total > b // 2  # the check saw accepted runs, not only rejections
+
+
+@pytest.fixture(scope="module")
+def prompts(smol_llm, smol_chat_ids):
+    tok = smol_llm.tokenizer
+    return smol_chat_ids[:3] + [tok.encode("def fibonacci(n):"), tok.encode("The quick brown fox. " * 6)]
+
+
+@pytest.fixture(scope="module")
+def plain(smol_llm, prompts):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in smol_llm.generate(prompts, params)]
+
+
+def _replays(llm) -> int:
+    spec = llm.engine.spec
+    runners = [spec.verify_runner, getattr(spec.drafter, "loop_runner", None),
+               getattr(spec.drafter, "extend_runner", None)]
+    return sum(r.stats.replays for r in runners if r is not None)
+
+
+@pytest.mark.parametrize("name", list(ALGOS))
+def test_graph_mode_equals_eager_and_plain(smol_llm, prompts, plain, name):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    graph = spec_llm(smol_llm, **GRAPHS, **ALGOS[name])
+    eager = spec_llm(smol_llm, max_model_len=320, **ALGOS[name])
+    assert eager.engine.spec.verify_runner is None and graph.engine.spec.verify_runner is not None
+    for batch in (prompts, prompts[:1]):  # batch 5, then 1
+        g = [o.outputs[0].token_ids for o in graph.generate(batch, params)]
+        e = [o.outputs[0].token_ids for o in eager.generate(batch, params)]
+        assert g == e == plain[:len(batch)]
+    assert _replays(graph) > 0 and graph.engine.spec.verify_runner.stats.eager == 0
+    assert graph.engine.stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("dflash-2", dict(speculative_algorithm="DFLASH", speculative_num_draft_tokens=2)),
+    ("dflash-9", dict(speculative_algorithm="DFLASH", speculative_num_draft_tokens=9)),
+    ("ddtree-2", dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=2)),
+    ("ddtree-32", dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=32)),
+    ("eagle3-chain-2", dict(speculative_algorithm="EAGLE3", speculative_num_steps=1)),
+    ("eagle3-tree-9", dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=2,
+                           speculative_num_draft_tokens=9)),
+])
+def test_every_width_runs_under_graphs(smol_llm, prompts, plain, name, kw):
+    llm = spec_llm(smol_llm, **GRAPHS, cuda_graph_max_bs=2, **kw)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], params)]
+    assert outs == [p[:12] for p in plain[:2]]
+    assert _replays(llm) > 0
+
+
+def test_batches_shrink_with_cancellations_under_graphs(smol_llm, prompts, plain):
+    """32 requests, then 12 after 20 are cancelled mid-run, then 1: every survivor's output is plain's;
+    every KV block comes back; nothing ran eagerly that a graph could serve."""
+    llm = spec_llm(smol_llm, **GRAPHS, **ALGOS["eagle3-chain"], cuda_graph_max_bs=32)
+    eng = llm.engine
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    ids = [eng.add_request(prompts[i % len(prompts)], params) for i in range(32)]
+    done: dict[str, list[int]] = {}
+    steps = 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+        if steps == 3:
+            for rid in ids[12:]:
+                eng.abort_request(rid)
+        if steps == 6:
+            for rid in ids[1:12]:
+                eng.abort_request(rid)
+    assert ids[0] in done and done[ids[0]] == plain[0]
+    for i, rid in enumerate(ids[:12]):
+        if rid in done:
+            assert done[rid] == plain[i % len(prompts)][:len(done[rid])]
+    assert eng.stats().kv_blocks_used == 0
+    assert eng.spec.verify_runner.stats.eager == 0 and eng.spec.drafter.loop_runner.stats.replays > 0
