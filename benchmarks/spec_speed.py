@@ -93,9 +93,18 @@ def main() -> None:
                                                "draft_extend": getattr(spec.drafter, "extend_runner", None)}
             graphs = {k: {"replays": r.stats.replays, "eager": r.stats.eager, "why": dict(r.stats.fallbacks)}
                       for k, r in runners.items() if r is not None}
+            breakdown = None
+            if spec is not None and bs == 1:  # a separate pass: profiling adds a sync per step
+                spec.profile.enabled = True
+                llm.generate(batch, params)
+                spec.profile.enabled = False
+                breakdown = spec.profile.summary()
+                spec.profile = type(spec.profile)(spec.profile.device)
             rows.append({"config": name, "batch_size": bs, "tokens_per_s": round(tps, 1), "wall_s": round(wall, 3),
-                         "mean_accept_length": round(mal, 3) if mal else None, "graphs": graphs})
-            print(f"{name:22s} bs={bs:3d}: {tps:8.1f} tok/s  accept length {mal or 1:.2f}", flush=True)
+                         "mean_accept_length": round(mal, 3) if mal else None, "graphs": graphs,
+                         "step_breakdown_us": breakdown})
+            print(f"{name:22s} bs={bs:3d}: {tps:8.1f} tok/s  accept length {mal or 1:.2f}  "
+                  f"{breakdown['gpu_us'] if breakdown else ''}", flush=True)
     params_bytes = sum(p.numel() * p.element_size() for p in base.engine.model.parameters())
     bw = copy_bandwidth(args.device) if args.device.startswith("cuda") else None
     plain1 = next(r for r in rows if r["config"] == "plain" and r["batch_size"] == 1)

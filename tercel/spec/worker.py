@@ -26,6 +26,7 @@ from ..request import Request
 from ..scheduler import ScheduledRequest
 from ..sampling import Sampler, greedy_tokens
 from .batching import slot_of, verify_batch
+from .profile import StepProfile
 from .drafter import DeviceChains, Drafter, ExtendedChunk
 from .tree import DraftTree
 from .verify import Accepted, accept_greedy, accept_greedy_batched, accept_sampling, context_free
@@ -66,6 +67,7 @@ class SpecWorker:
         self.num_draft_tokens = num_draft_tokens  # nodes per tree, root included
         self.stats = SpecStats()
         self.verify_runner: CudaGraphRunner | None = None  # init_graphs: captured verify steps
+        self.profile = StepProfile(engine.device)  # per-phase times, when a benchmark turns it on
 
     @property
     def extra_slots(self) -> int:
@@ -137,6 +139,8 @@ class SpecWorker:
     # ---- the spec step -------------------------------------------------------------------
     def _spec_step(self, reqs: list[Request]) -> list[RequestOutput]:
         eng = self.engine
+        prof = self.profile
+        prof.mark("draft")
         # 1. draft: host trees, or greedy chains that stay on the device until the step's one sync
         proposal = self.drafter.propose(reqs)
         width = self.num_draft_tokens
@@ -150,12 +154,14 @@ class SpecWorker:
             if max(len(t) for t in trees) == 1 and self.drafter.capture_hidden_mode == CaptureHiddenMode.NULL:
                 width = 1
         # 2. verify: every request `width` rows (trees padded), one target forward (a graph replay when captured)
+        prof.mark("verify")
         masks = self.drafter.uses_trees and width > 1
         batch, layout = verify_batch(reqs, trees, device_tokens, width, eng.kv.block_size,
                                      self.drafter.capture_hidden_mode, masks, eng.upload, eng.device)
         out = self._verify(batch)
         logits = out.logits
         # 3. accept: greedy on the device for the whole batch; the step's one host sync reads the result
+        prof.mark("accept")
         b = len(reqs)
         argmax = greedy_tokens(logits).view(b, width)
         best, bonus = accept_greedy_batched(argmax, layout.tokens, layout.lens, layout.parents, layout.depth,
@@ -176,6 +182,7 @@ class SpecWorker:
             accepted.append(acc)
         offsets = [i * width for i in range(b)]
         # 4. emit tokens (stop checks per token), keep the accepted KV, free the rest
+        prof.mark("emit")
         outputs: list[RequestOutput] = []
         moves: list[tuple[int, int]] = []
         alive: list[int] = []
@@ -205,9 +212,11 @@ class SpecWorker:
             eng.kv.k[:, dst] = eng.kv.k[:, src]
             eng.kv.v[:, dst] = eng.kv.v[:, src]
         # 5. draft_extend over the accepted tokens of the requests that go on
+        prof.mark("extend")
         if alive:
             self.drafter.after_verify([reqs[i] for i in alive], [trees[i] for i in alive],
                                       [accepted[i] for i in alive], [offsets[i] for i in alive], out.hidden_states)
+        prof.end_step()
         return outputs
 
     def _slot(self, r: Request, pos: int) -> int:
