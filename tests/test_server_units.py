@@ -130,10 +130,10 @@ class _StubEngine:
 
         self._stats = EngineStats(0, 0, 10, 10)
         self.tokenizer = _StubTokenizer(explode_tokenizer)
-        self.config = SimpleNamespace(max_model_len=64)
+        self.config = SimpleNamespace(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=256)
         self.model_config = SimpleNamespace(vocab_size=100)
         self.requests: dict[str, object] = {}
-        self.scheduler = SimpleNamespace(running=[])
+        self.scheduler = SimpleNamespace(running=[], waiting=[])
         self.explode_step = explode_step
         self.lock = threading.Lock()
 

@@ -30,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..engine import LLMEngine
 from ..outputs import CompletionOutput, RequestOutput
@@ -59,6 +60,7 @@ class ServerSettings:
     max_body_bytes: int = 2 << 20
     max_n: int = 16
     max_batch_prompts: int = 64  # /v1/completions prompt lists
+    max_request_fanout: int = 256  # engine requests (prompts x n) one HTTP request may start
     completions_default_max_tokens: int = 16  # OpenAI's default for /v1/completions
     shutdown_timeout_s: float = 5.0  # grace for running requests on SIGTERM
 
@@ -68,7 +70,7 @@ class ServerSettings:
 
 
 class _ClientGone(Exception):
-    pass
+    """The client went away (mid-body or while waiting): end the request quietly, as a 499."""
 
 
 def _now() -> int:
@@ -188,12 +190,15 @@ class OpenAIServer:
                 raise too_big
         chunks: list[bytes] = []
         total = 0
-        async for chunk in request.stream():
-            total += len(chunk)
-            if total > limit:
-                await self._drain_body(request, total)
-                raise too_big
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                total += len(chunk)
+                if total > limit:
+                    await self._drain_body(request, total)
+                    raise too_big
+                chunks.append(chunk)
+        except ClientDisconnect:  # hung up mid-body, a broken chunked body, or a body timeout
+            raise _ClientGone from None
         try:
             return model.model_validate_json(b"".join(chunks))
         except ValidationError as e:
@@ -236,6 +241,15 @@ class OpenAIServer:
         if req.logit_bias:
             raise APIError(400, "'logit_bias' is not supported by this server.", param="logit_bias",
                            code="unsupported")
+
+    def check_fanout(self, num_prompts: int, n: int) -> None:
+        """One HTTP request may start at most max_request_fanout engine requests (prompts x n)."""
+        cap = self.settings.max_request_fanout
+        if num_prompts * n > cap:
+            what = f"{num_prompts} prompts x n={n}" if num_prompts > 1 else f"n={n}"
+            raise APIError(400, f"This request asks for {num_prompts * n} completions ({what}); this server "
+                                f"allows at most {cap} per request (--max-request-fanout). Send fewer prompts or a "
+                                f"smaller 'n', or split the request.", param="n", code="too_many_completions")
 
     def check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -404,6 +418,7 @@ class OpenAIServer:
         if len(raw_prompts) > self.settings.max_batch_prompts:
             raise APIError(400, f"At most {self.settings.max_batch_prompts} prompts per request.", param="prompt",
                            code="invalid_value")
+        self.check_fanout(len(raw_prompts), req.n)
 
         def tokenize() -> list[list[int]]:
             return [self.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in raw_prompts]
@@ -542,6 +557,7 @@ class OpenAIServer:
         if top_n and not req.logprobs:
             raise APIError(400, "'top_logprobs' requires 'logprobs': true.", param="top_logprobs",
                            code="invalid_value")
+        self.check_fanout(1, req.n)
         messages = self.chat_messages(req)
 
         def render() -> list[int]:
@@ -677,6 +693,7 @@ def _guard(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], 
         except APIError as e:
             return _error_response(e)
         except _ClientGone:
+            log.debug("client closed the connection during %s %s", request.method, request.url.path)
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         except Exception:
             log.exception("unhandled error in %s %s", request.method, request.url.path)

@@ -7,6 +7,12 @@ queue per HTTP request (a RequestGroup: its n choices, or a completions batch).
 
 Ordering guarantees: commands run in FIFO order before each step, so an abort posted after an add
 always finds the request, and an aborted request gets no output after the step that follows.
+
+Fairness: an HTTP request's engine requests (prompts x n) wait in a queue of their own on the engine
+thread, and the loop hands them to the engine round-robin across HTTP requests, only as fast as the
+engine can start them (a free running slot, at most one step's prefill budget waiting). A small
+request that arrives behind a large fan-out therefore starts at the next free slot instead of
+waiting behind the whole fan-out in the engine's FIFO queue.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import LLMEngine
@@ -59,6 +65,16 @@ class EngineRequest:
     params: SamplingParams
 
 
+@dataclass(slots=True, eq=False)  # identity equality: `group in deque` must not compare fields
+class _QueuedGroup:
+    """An HTTP request's engine requests not yet handed to the engine (engine thread only)."""
+
+    requests: collections.deque[EngineRequest]
+    arrival: float
+    ack: asyncio.Future | None  # resolved once the first request is added (or all were dropped)
+    added: list[str] = field(default_factory=list)
+
+
 class RequestGroup:
     """The engine requests behind one HTTP request. Outputs arrive on `queue` as (index, item)."""
 
@@ -93,6 +109,8 @@ class AsyncEngine:
         self.error: BaseException | None = None  # set when the engine thread died
         # engine thread only: request id -> [arrival, last token time]
         self._timing: dict[str, list[float]] = {}
+        self._turns: collections.deque[_QueuedGroup] = collections.deque()  # round-robin admission order
+        self._queued: dict[str, _QueuedGroup] = {}  # request id -> its group, until added or dropped
         self._spec_seen: list[int] = []  # the engine's accept histogram already exported
         spec_config = getattr(engine, "spec_config", None)
         self._spec_algorithm = getattr(spec_config, "algorithm", None) or "unknown"
@@ -130,7 +148,8 @@ class AsyncEngine:
 
     # ---- handler side (event-loop thread) -------------------------------------------------------
     async def submit(self, requests: list[EngineRequest], max_waiting: int | None = None) -> RequestGroup:
-        """Hand requests to the engine; returns once they are added (or raises what add_request raised).
+        """Queue requests for the engine; returns once the first one is added (or raises what
+        add_request raised); the rest follow in round-robin turns with other HTTP requests.
         The queue check and the bookkeeping run without an await in between, so it is race-free."""
         if max_waiting is not None:
             waiting = self.num_waiting()
@@ -168,11 +187,13 @@ class AsyncEngine:
         self._wake.set()
 
     # callbacks run on the event loop, posted by the engine thread
-    def _ack(self, fut: asyncio.Future, requests: list[EngineRequest], error: BaseException | None) -> None:
-        self._pending -= len(requests)
+    def _dequeued(self, count: int) -> None:
+        self._pending -= count
+
+    def _ack(self, fut: asyncio.Future, rids: list[str], error: BaseException | None) -> None:
         if error is not None:
-            for r in requests:
-                self._owners.pop(r.request_id, None)
+            for rid in rids:
+                self._owners.pop(rid, None)
         if not fut.done():
             if error is None:
                 fut.set_result(None)
@@ -211,6 +232,7 @@ class AsyncEngine:
                 self._process_inbox()
                 if self._stop:
                     break
+                self._admit()
                 if not self.engine.has_unfinished_requests():
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
@@ -234,35 +256,97 @@ class AsyncEngine:
         except BaseException as e:  # pragma: no cover - the loop itself broke
             log.exception("the engine loop died")
             self.error = e
-            self._post(self._fail, list(self.engine.requests), e)
+            self._post(self._fail, list(self.engine.requests) + list(self._queued), e)
         finally:
             for rid in list(self.engine.requests):
                 self.engine.abort_request(rid)
+            for group in list(self._turns):  # never admitted: their handlers see ABORTED or the failure
+                self._drop(group, list(group.requests), None)
+            self._turns.clear()
 
     def _process_inbox(self) -> None:
         while self._inbox:
             cmd = self._inbox.popleft()
             if cmd[0] == "add":
                 _, requests, arrival, fut = cmd
-                added: list[str] = []
-                error: BaseException | None = None
-                try:
-                    for r in requests:
-                        self.engine.add_request(r.prompt_token_ids, r.params, r.request_id)
-                        added.append(r.request_id)
-                        self._timing[r.request_id] = [arrival, 0.0]
-                except Exception as e:  # all or nothing for a group
-                    error = e
-                    for rid in added:
+                group = _QueuedGroup(collections.deque(requests), arrival, fut)
+                for r in requests:
+                    self._queued[r.request_id] = group
+                self._turns.append(group)
+            elif cmd[0] == "abort":
+                dropped: dict[int, tuple[_QueuedGroup, list[EngineRequest]]] = {}
+                for rid in cmd[1]:
+                    group = self._queued.get(rid)
+                    if group is None:
                         self.engine.abort_request(rid)
                         self._timing.pop(rid, None)
-                if error is None and self.metrics is not None:
-                    self.metrics.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in requests))
-                self._post(self._ack, fut, requests, error)
-            elif cmd[0] == "abort":
-                for rid in cmd[1]:
+                    else:
+                        dropped.setdefault(id(group), (group, []))[1].append(rid)
+                for group, rids in dropped.values():
+                    gone = set(rids)
+                    self._drop(group, [r for r in group.requests if r.request_id in gone], None)
+
+    def _drop(self, group: _QueuedGroup, requests: list[EngineRequest], error: BaseException | None) -> None:
+        """Take requests out of a group's queue (aborted, or the group failed). A group left with
+        nothing queued and nothing added resolves its handler's wait: with the error, or plainly
+        (its handler then reads ABORTED or the failure from its queue)."""
+        gone = {r.request_id for r in requests}
+        for rid in gone:
+            self._queued.pop(rid, None)
+        group.requests = collections.deque(r for r in group.requests if r.request_id not in gone)
+        if not group.requests and group in self._turns:
+            self._turns.remove(group)
+        if gone:
+            self._post(self._dequeued, len(gone))
+        if group.ack is not None and (error is not None or not group.requests):
+            self._post(self._ack, group.ack, list(gone), error)
+            group.ack = None
+
+    def _engine_room(self) -> tuple[int, int]:
+        """(free running slots not already claimed by a waiting request, prefill tokens that may
+        still join the engine's waiting queue this step)."""
+        sched, cfg = self.engine.scheduler, self.engine.config
+        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        return (cfg.max_num_seqs - len(sched.running) - len(sched.waiting),
+                cfg.max_num_batched_tokens - waiting_tokens)
+
+    def _admit(self) -> None:
+        """Add queued requests to the engine, one per HTTP request in turn, while it has room."""
+        if not self._turns:
+            return
+        slots, tokens = self._engine_room()
+        admitted = 0
+        prompt_tokens = 0
+        while self._turns and slots > 0 and tokens > 0:
+            group = self._turns.popleft()
+            r = group.requests.popleft()
+            try:
+                self.engine.add_request(r.prompt_token_ids, r.params, r.request_id)
+            except Exception as e:  # all or nothing for a group: undo what it already added
+                group.requests.appendleft(r)
+                for rid in group.added:
                     self.engine.abort_request(rid)
                     self._timing.pop(rid, None)
+                if group.ack is None:  # its handler already runs: fail the choices it waits for
+                    self._post(self._fail, group.added + [q.request_id for q in group.requests], e)
+                self._drop(group, list(group.requests), e)
+                continue
+            del self._queued[r.request_id]
+            group.added.append(r.request_id)
+            self._timing[r.request_id] = [group.arrival, 0.0]
+            admitted += 1
+            prompt_tokens += len(r.prompt_token_ids)
+            slots -= 1
+            tokens -= len(r.prompt_token_ids)
+            if group.ack is not None:
+                self._post(self._ack, group.ack, [], None)
+                group.ack = None
+            if group.requests:
+                self._turns.append(group)
+        if admitted:
+            self._post(self._dequeued, admitted)
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(prompt_tokens)
 
     def _record_spec(self) -> None:
         """Export the engine's speculative accept counters (deltas since the last step)."""
