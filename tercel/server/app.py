@@ -1,7 +1,7 @@
 """OpenAI-compatible routes on FastAPI.
 
 POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events
-ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics.
+ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics, GET /openapi.json, GET /docs.
 
 Request bodies are read by hand (size limit, strict JSON validation), so every bad input becomes an
 OpenAI-style error `{"error": {"message", "type", "param", "code"}}` with status 400 (413 for a
@@ -37,13 +37,15 @@ from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
 from .engine_loop import ABORTED, AsyncEngine, EngineFailure, EngineRequest, QueueFullError, RequestGroup
 from .metrics import ServerMetrics
+from .openapi import build_openapi
 from .protocol import (MAX_LOGPROBS, MAX_STOP_STRINGS, APIError, ChatCompletionRequest, CompletionRequest,
                        ModelCard, ModelList, _SamplingFields, error_body, validation_error_to_api)
 
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
-ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json",
+                       "/docs"})
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (avoids overflow in logits / T)
 MIN_LOGPROB = -9999.0  # OpenAI's floor; JSON has no -inf
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
@@ -751,7 +753,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
             await server.aengine.shutdown()
             server._tok_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="Tercel", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json and /docs sit behind the API key like every route but /health.
+    app = FastAPI(title="Tercel", lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.server = server
     app.add_api_route("/v1/completions", _guard(server.completions), methods=["POST"])
     app.add_api_route("/v1/chat/completions", _guard(server.chat_completions), methods=["POST"])
@@ -759,6 +762,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     app.add_api_route("/v1/models/{model_id:path}", _guard(server.model), methods=["GET"])
     app.add_api_route("/health", _guard(server.health), methods=["GET"])
     app.add_api_route("/metrics", _guard(server.metrics_endpoint), methods=["GET"])
+    app.openapi = build_openapi(app, OPEN_PATHS, settings.api_key is not None)  # type: ignore[method-assign]
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
