@@ -33,7 +33,8 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m tercel.server ARGS --host 127.0.0.1 --port P`, output to a log file."""
 
-    def __init__(self, *args: str, api_key: str | None = None) -> None:
+    def __init__(self, *args: str, api_key: str | None = None, open_files: int | None = None) -> None:
+        self.open_files = open_files  # RLIMIT_NOFILE (soft and hard) of the server process, if given
         self.port = free_port()
         self.base_url = f"http://{HOST}:{self.port}"
         self.api_key = api_key
@@ -49,8 +50,14 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tercel.server", *self.args, "--host", HOST, "--port", str(self.port)],
-            cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+            cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=self._limit_open_files)
         return self
+
+    def _limit_open_files(self) -> None:
+        if self.open_files is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.open_files, self.open_files))
 
     def log_tail(self, n: int = 4000) -> str:
         try:
@@ -196,11 +203,12 @@ def tiny_server_args(*args: str) -> tuple[str, ...]:
     return (str(tiny_model_dir()), "--kv-cache-memory", "16MiB", *args)
 
 
-def running_server(*args: str, api_key: str | None = None, with_reference: bool = True):
+def running_server(*args: str, api_key: str | None = None, with_reference: bool = True,
+                   open_files: int | None = None):
     """Body of a module-scoped server fixture (`yield from running_server(...)`): start the server,
     load the offline reference meanwhile, yield once ready; stop it afterwards and demand a clean
     exit (code 0 after SIGTERM)."""
-    srv = ServerProcess(*args, api_key=api_key).start()
+    srv = ServerProcess(*args, api_key=api_key, open_files=open_files).start()
     try:
         if with_reference:
             offline_llm()  # load the reference model while the server loads

@@ -204,3 +204,35 @@ def test_body_cut_midway_ends_quietly(server, path):
     assert m.get(gone, 0) - before.get(gone, 0) >= 2, m  # counted as client errors
     log = server.log_path.read_text(errors="replace")
     assert " ERROR " not in log and "Traceback" not in log and "ClientDisconnect" not in log, log[-3000:]
+
+
+OPEN_FILES = 160  # the second server's file limit: --max-connections 64 fits, a flood of 400 does not
+
+
+@pytest.fixture(scope="module")
+def starved_server():
+    yield from running_server(*tiny_server_args("--max-connections", "64", "--header-timeout", "5"),
+                              with_reference=False, open_files=OPEN_FILES)
+
+
+def test_out_of_file_descriptors_is_one_log_line_and_the_server_recovers(starved_server):
+    """400 connections held open against a process that may open 160 files: accept() fails with
+    EMFILE for seconds; asyncio retries every second and the log gets one line for it, no traceback."""
+    server = starved_server
+    lines_before = len(_log_lines(server))
+    socks = []
+    try:
+        for _ in range(400):
+            socks.append(socket.create_connection((HOST, server.port), timeout=5.0))  # the kernel's backlog takes them
+        time.sleep(3.5)  # several accept() retries while out of descriptors
+    finally:
+        for s in socks:
+            s.close()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not server.health_ok():
+        time.sleep(0.2)
+    assert server.health_ok()
+    new = _log_lines(server)[lines_before:]
+    assert sum("cannot accept new connections" in line for line in new) == 1, new
+    assert not any("Traceback" in line or "out of system resource" in line for line in new), new
+    assert len(new) <= 4, new

@@ -254,6 +254,10 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.write(raw_error_response(
             503, "Service Unavailable", f"The server has too many open connections (limit "
             f"{self._guard.limits.max_connections}); retry later.", "too_many_connections", "retry-after: 1\r\n"))
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
+        try:
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+        except OSError:  # the client already left (it waited in the listen backlog): nothing to linger for
+            self.transport.close()
+            return
         self._deadline = self.loop.call_later(REFUSED_LINGER_S, self.transport.close)
