@@ -236,3 +236,17 @@ def test_out_of_file_descriptors_is_one_log_line_and_the_server_recovers(starved
     assert sum("cannot accept new connections" in line for line in new) == 1, new
     assert not any("Traceback" in line or "out of system resource" in line for line in new), new
     assert len(new) <= 4, new
+
+
+def test_a_stream_of_malformed_requests_is_one_log_line(server):
+    """uvicorn warns once per malformed request; the server rate-limits that to one line a minute."""
+    lines_before = len(_log_lines(server))
+    for i in range(100):
+        raw = (b"BROKEN\x00 / HTTP/1.1\r\n\r\n" if i % 2 else
+               CUT_BODIES["chunked_broken"].replace(b"{path}", b"/v1/completions"))
+        answer = _send_and_close(server.port, raw)
+        assert answer.startswith(b"HTTP/1.1 400 "), answer
+    assert server.health_ok()
+    everything = _log_lines(server)
+    assert sum("Invalid HTTP request" in line for line in everything) == 1, everything  # whole module: once
+    assert len(everything) - lines_before <= 1, everything[lines_before:]

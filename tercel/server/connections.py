@@ -76,6 +76,26 @@ class RateLimitedLog:
         self._last, self._unlogged = now, 0
 
 
+class _RateLimitedWarnings:
+    """uvicorn's protocol logger with its warnings (one per malformed request, per unsupported
+    upgrade) rate-limited per message, since a hostile client can cause thousands a second; every
+    other call goes to the logger unchanged."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float) -> None:
+        self._logger = logger
+        self._interval_s = interval_s
+        self._by_message: dict[str, RateLimitedLog] = {}
+
+    def warning(self, msg: str, *args: Any, **kw: Any) -> None:
+        rl = self._by_message.get(msg)
+        if rl is None:
+            rl = self._by_message[msg] = RateLimitedLog(self._logger, logging.WARNING, self._interval_s)
+        rl(msg, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
+
+
 @dataclass(slots=True)
 class ConnectionGuard:
     """What the protocol instances of one server share: limits, metrics, rate-limited logs."""
@@ -85,6 +105,12 @@ class ConnectionGuard:
     open_connections: int = 0
     _refusal_log: RateLimitedLog = field(init=False)
     _accept_log: RateLimitedLog = field(init=False)
+    _protocol_log: _RateLimitedWarnings | None = field(init=False, default=None)
+
+    def protocol_logger(self, logger: logging.Logger) -> _RateLimitedWarnings:
+        if self._protocol_log is None:
+            self._protocol_log = _RateLimitedWarnings(logger, self.limits.log_interval_s)
+        return self._protocol_log
 
     def __post_init__(self) -> None:
         self._refusal_log = RateLimitedLog(log, logging.WARNING, self.limits.log_interval_s)
@@ -165,6 +191,7 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, guard: ConnectionGuard, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self._guard = guard
+        self.logger = guard.protocol_logger(self.logger)  # type: ignore[assignment]
         self._phase = ""  # "header" or "body" while a deadline runs
         self._deadline: asyncio.TimerHandle | None = None
         self._got_data = False  # any byte of the current request yet (a silent close if not)
