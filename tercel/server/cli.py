@@ -168,7 +168,8 @@ def check_serve_args(args: argparse.Namespace) -> str | None:
         return f"two different models given ({args.model_pos!r} and --model {args.model_opt!r})."
     if args.max_request_fanout < args.max_n:
         return (f"--max-request-fanout {args.max_request_fanout} is below --max-n {args.max_n}: a request with "
-                f"n={args.max_n} could never run. Raise --max-request-fanout to at least {args.max_n} or lower --max-n.")
+                f"n={args.max_n} could never run. Raise --max-request-fanout to at least {args.max_n} "
+                f"or lower --max-n.")
     return None
 
 
