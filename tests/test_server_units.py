@@ -342,3 +342,23 @@ def test_engine_loop_admits_http_requests_round_robin():
     assert sorted(engine.added) == sorted([f"big-{i}" for i in range(12)] + ["small-0", "small-1"])
     positions = [engine.added.index(f"small-{i}") for i in range(2)]
     assert max(positions) <= 4, engine.added
+
+
+class _RefusingEngine(_StubEngine):
+    """add_request refuses a group's second request (the server validates first, so only a bug or an
+    engine change could get here)."""
+
+    def add_request(self, prompt, params, request_id):
+        if request_id.endswith("-1"):
+            raise ValueError("secret refusal")
+        super().add_request(prompt, params, request_id)
+
+
+def test_engine_refusing_part_of_a_group_fails_it_whole():
+    engine = _RefusingEngine()
+    with _client(engine) as c:
+        r = c.post("/v1/completions", json={"prompt": "hi", "n": 3, "max_tokens": 2})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error" and "secret" not in r.text
+        assert engine.requests == {}  # the request added before the refusal was aborted
+        assert c.get("/health").status_code == 200
+        assert c.app.state.server.aengine.num_waiting() == 0

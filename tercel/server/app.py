@@ -314,8 +314,6 @@ class OpenAIServer:
         except QueueFullError as e:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
-        except (ValueError, TypeError) as e:  # add_request refused it (we validate first, so rare)
-            raise APIError(400, str(e), code="invalid_value") from None
 
     async def collect(self, request: Request, group: RequestGroup,
                       total: int) -> tuple[list[RequestOutput | None], list[str]]:
