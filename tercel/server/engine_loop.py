@@ -103,8 +103,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         # event-loop thread only:
         self._owners: dict[str, RequestGroup] = {}
-        # Engine requests posted but not yet added by the engine thread. Both threads change it (under
-        # the lock), the engine thread right before each add: at worst a moment's under-count, never
+        # Engine requests posted but not yet added to the engine (in the inbox or the fair queue). Both
+        # threads change it (under the lock), the engine thread right before each add: at worst a moment's under-count, never
         # an over-count that would answer a spurious 429.
         self._pending = 0
         self._pending_lock = threading.Lock()
@@ -203,7 +203,6 @@ class AsyncEngine:
     def _change_pending(self, delta: int) -> None:  # either thread
         with self._pending_lock:
             self._pending += delta
-
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
