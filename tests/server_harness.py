@@ -33,7 +33,8 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m tercel.server ARGS --host 127.0.0.1 --port P`, output to a log file."""
 
-    def __init__(self, *args: str, api_key: str | None = None) -> None:
+    def __init__(self, *args: str, api_key: str | None = None, open_files: int | None = None) -> None:
+        self.open_files = open_files  # RLIMIT_NOFILE (soft and hard) of the server process, if given
         self.port = free_port()
         self.base_url = f"http://{HOST}:{self.port}"
         self.api_key = api_key
@@ -49,8 +50,14 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tercel.server", *self.args, "--host", HOST, "--port", str(self.port)],
-            cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+            cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=self._limit_open_files)
         return self
+
+    def _limit_open_files(self) -> None:
+        if self.open_files is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.open_files, self.open_files))
 
     def log_tail(self, n: int = 4000) -> str:
         try:
@@ -160,11 +167,48 @@ def offline_llm():
     return LLM(progress=False)
 
 
-def running_server(*args: str, api_key: str | None = None, with_reference: bool = True):
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@functools.cache
+def tiny_model_dir() -> Path:
+    """A seeded random 2-layer Llama (hidden 64) with a 300-token byte-level BPE tokenizer and a chat
+    template, as an HF directory: a server on it starts in seconds (no real weights to load)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root = Path(tempfile.mkdtemp(prefix="tercel-tiny-model-"))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["The capital of France is Paris. Once upon a time there was a hash table."], trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                                bos_token="<|endoftext|>")
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    fast.save_pretrained(root)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(root)
+    return root
+
+
+def tiny_server_args(*args: str) -> tuple[str, ...]:
+    """Arguments for a server on the tiny model with a small KV cache (allocating 1 GiB takes seconds)."""
+    return (str(tiny_model_dir()), "--kv-cache-memory", "16MiB", *args)
+
+
+def running_server(*args: str, api_key: str | None = None, with_reference: bool = True,
+                   open_files: int | None = None):
     """Body of a module-scoped server fixture (`yield from running_server(...)`): start the server,
     load the offline reference meanwhile, yield once ready; stop it afterwards and demand a clean
     exit (code 0 after SIGTERM)."""
-    srv = ServerProcess(*args, api_key=api_key).start()
+    srv = ServerProcess(*args, api_key=api_key, open_files=open_files).start()
     try:
         if with_reference:
             offline_llm()  # load the reference model while the server loads

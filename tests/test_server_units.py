@@ -130,10 +130,10 @@ class _StubEngine:
 
         self._stats = EngineStats(0, 0, 10, 10)
         self.tokenizer = _StubTokenizer(explode_tokenizer)
-        self.config = SimpleNamespace(max_model_len=64)
+        self.config = SimpleNamespace(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=256)
         self.model_config = SimpleNamespace(vocab_size=100)
         self.requests: dict[str, object] = {}
-        self.scheduler = SimpleNamespace(running=[])
+        self.scheduler = SimpleNamespace(running=[], waiting=[])
         self.explode_step = explode_step
         self.lock = threading.Lock()
 
@@ -212,3 +212,153 @@ def test_server_asks_for_delta_outputs_and_joins_them():
 
     params = OpenAIServer.sampling_params(SimpleNamespace(), CompletionRequest(model="m", prompt="x"), 8, None, None)
     assert params.output_kind == RequestOutputKind.DELTA
+
+
+# ---- issue #25: flags, connection guard, fair admission -------------------------------------------
+
+def test_serve_flags_are_validated_with_the_flag_and_the_fix(capsys, keep_sigterm):
+    from tercel.server.cli import run_serve
+
+    for flag, value in (("--header-timeout", "0"), ("--body-timeout", "-1"), ("--keep-alive-timeout", "x"),
+                        ("--max-connections", "0"), ("--max-request-fanout", "0")):
+        with pytest.raises(SystemExit):
+            _serve_args(flag, value)
+        assert f"argument {flag}" in capsys.readouterr().err
+    args = _serve_args("--header-timeout", "1.5", "--max-connections", "100", "--max-request-fanout", "32")
+    assert (args.header_timeout, args.body_timeout, args.keep_alive_timeout) == (1.5, 30.0, 5.0)
+    assert (args.max_connections, args.max_request_fanout) == (100, 32)
+    assert run_serve(_serve_args("--max-n", "16", "--max-request-fanout", "8")) == 2  # before any model loads
+    err = capsys.readouterr().err
+    assert "--max-request-fanout 8 is below --max-n 16" in err and "at least 16" in err
+
+
+def test_max_connections_beyond_the_open_file_limit_is_a_clear_error(monkeypatch):
+    from tercel.server import connections as c
+
+    set_to: list[tuple[int, int]] = []
+    monkeypatch.setattr(c.resource, "setrlimit", lambda what, limits: set_to.append(limits))
+    monkeypatch.setattr(c.resource, "getrlimit", lambda what: (256, 4096))
+    c.ensure_file_limit(1000)  # fits under the hard limit: the soft limit is raised
+    assert set_to == [(1000 + c.FD_RESERVE, 4096)]
+    with pytest.raises(ValueError) as e:
+        c.ensure_file_limit(5000)
+    msg = str(e.value)
+    assert "--max-connections 5000" in msg and f"Lower --max-connections to {4096 - c.FD_RESERVE}" in msg
+    assert "ulimit -n" in msg
+    monkeypatch.setattr(c.resource, "getrlimit", lambda what: (256, 512))
+    assert c.default_max_connections() == 512 - c.FD_RESERVE
+    with pytest.raises(ValueError, match="header_timeout_s=0"):
+        c.ConnectionLimits(header_timeout_s=0)
+
+
+def test_rate_limited_log_writes_one_line_per_interval(caplog):
+    import logging
+
+    from tercel.server.connections import RateLimitedLog
+
+    now = [0.0]
+    rl = RateLimitedLog(logging.getLogger("tercel.test"), logging.WARNING, 60.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="tercel.test"):
+        for i in range(1000):
+            now[0] = i * 0.1  # 100 s of events, 10 a second
+            rl("out of %s", "files")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["out of files", "out of files (and 599 more times in the last 60 s)"]
+
+
+def test_accept_errors_are_logged_once_per_interval_other_loop_errors_unchanged(caplog):
+    import asyncio
+    import errno
+    import logging
+
+    from tercel.server.connections import ConnectionGuard, ConnectionLimits
+
+    loop = asyncio.new_event_loop()
+    seen: list[dict] = []
+    loop.set_exception_handler(lambda loop, context: seen.append(context))
+    try:
+        ConnectionGuard(ConnectionLimits(log_interval_s=60.0)).install_accept_error_handler(loop)
+        with caplog.at_level(logging.WARNING, logger="tercel.server.connections"):
+            for _ in range(500):
+                loop.call_exception_handler({"message": "socket.accept() out of system resource",
+                                             "exception": OSError(errno.EMFILE, "Too many open files")})
+            loop.call_exception_handler({"message": "something else", "exception": RuntimeError("x")})
+    finally:
+        loop.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "tercel.server.connections"]
+    assert len(lines) == 1 and "Too many open files" in lines[0] and "--max-connections" in lines[0]
+    assert [c["message"] for c in seen] == ["something else"]  # the previous handler still gets the rest
+
+
+class _OneSlotEngine(_StubEngine):
+    """One running request at a time; each step finishes it. Records the order of add_request."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(max_model_len=64, max_num_seqs=1, max_num_batched_tokens=256)
+        self.added: list[str] = []
+
+    def add_request(self, prompt, params, request_id):
+        super().add_request(prompt, params, request_id)
+        self.added.append(request_id)
+        self.scheduler.running.append(request_id)
+
+    def step(self):
+        import time
+
+        from tercel.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+        time.sleep(0.002)
+        rid = self.scheduler.running.pop()
+        self.requests.pop(rid, None)
+        return [RequestOutput(rid, None, [1], [CompletionOutput(0, "x", [5], "length", None, None)], True,
+                              RequestMetrics(0.0), delta_text="x", delta_token_ids=[5])]
+
+
+def test_engine_loop_admits_http_requests_round_robin():
+    """A 12-request group and a 2-request group submitted together: the small one's requests reach
+    the engine within the first few slots, not after the whole fan-out (FIFO would put them last)."""
+    import asyncio
+
+    from tercel.sampling_params import SamplingParams
+    from tercel.server.engine_loop import AsyncEngine, EngineRequest
+
+    engine = _OneSlotEngine()
+
+    async def run() -> None:
+        ae = AsyncEngine(engine, idle_wait_s=0.01)
+        ae.start()
+        big = [EngineRequest(f"big-{i}", [1, 2], SamplingParams(max_tokens=1)) for i in range(12)]
+        small = [EngineRequest(f"small-{i}", [1, 2], SamplingParams(max_tokens=1)) for i in range(2)]
+        groups = await asyncio.gather(ae.submit(big), ae.submit(small))
+        for g, total in zip(groups, (12, 2)):
+            for _ in range(total):
+                idx, out = await asyncio.wait_for(g.queue.get(), 10)
+                assert out.finished
+        assert ae.num_waiting() == 0
+        await ae.shutdown()
+
+    asyncio.run(run())
+    assert sorted(engine.added) == sorted([f"big-{i}" for i in range(12)] + ["small-0", "small-1"])
+    positions = [engine.added.index(f"small-{i}") for i in range(2)]
+    assert max(positions) <= 4, engine.added
+
+
+class _RefusingEngine(_StubEngine):
+    """add_request refuses a group's second request (the server validates first, so only a bug or an
+    engine change could get here)."""
+
+    def add_request(self, prompt, params, request_id):
+        if request_id.endswith("-1"):
+            raise ValueError("secret refusal")
+        super().add_request(prompt, params, request_id)
+
+
+def test_engine_refusing_part_of_a_group_fails_it_whole():
+    engine = _RefusingEngine()
+    with _client(engine) as c:
+        r = c.post("/v1/completions", json={"prompt": "hi", "n": 3, "max_tokens": 2})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error" and "secret" not in r.text
+        assert engine.requests == {}  # the request added before the refusal was aborted
+        assert c.get("/health").status_code == 200
+        assert c.app.state.server.aengine.num_waiting() == 0

@@ -1,7 +1,7 @@
 """OpenAI-compatible routes on FastAPI.
 
 POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events
-ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics.
+ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics, GET /openapi.json, GET /docs.
 
 Request bodies are read by hand (size limit, strict JSON validation), so every bad input becomes an
 OpenAI-style error `{"error": {"message", "type", "param", "code"}}` with status 400 (413 for a
@@ -30,19 +30,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..engine import LLMEngine
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
 from .engine_loop import ABORTED, AsyncEngine, EngineFailure, EngineRequest, QueueFullError, RequestGroup
 from .metrics import ServerMetrics
+from .openapi import build_openapi
 from .protocol import (MAX_LOGPROBS, MAX_STOP_STRINGS, APIError, ChatCompletionRequest, CompletionRequest,
                        ModelCard, ModelList, _SamplingFields, error_body, validation_error_to_api)
 
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
-ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json",
+                       "/docs"})
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (avoids overflow in logits / T)
 MIN_LOGPROB = -9999.0  # OpenAI's floor; JSON has no -inf
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
@@ -59,6 +62,7 @@ class ServerSettings:
     max_body_bytes: int = 2 << 20
     max_n: int = 16
     max_batch_prompts: int = 64  # /v1/completions prompt lists
+    max_request_fanout: int = 256  # engine requests (prompts x n) one HTTP request may start
     completions_default_max_tokens: int = 16  # OpenAI's default for /v1/completions
     shutdown_timeout_s: float = 5.0  # grace for running requests on SIGTERM
 
@@ -68,7 +72,7 @@ class ServerSettings:
 
 
 class _ClientGone(Exception):
-    pass
+    """The client went away (mid-body or while waiting): end the request quietly, as a 499."""
 
 
 def _now() -> int:
@@ -188,12 +192,15 @@ class OpenAIServer:
                 raise too_big
         chunks: list[bytes] = []
         total = 0
-        async for chunk in request.stream():
-            total += len(chunk)
-            if total > limit:
-                await self._drain_body(request, total)
-                raise too_big
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                total += len(chunk)
+                if total > limit:
+                    await self._drain_body(request, total)
+                    raise too_big
+                chunks.append(chunk)
+        except ClientDisconnect:  # hung up mid-body, a broken chunked body, or a body timeout
+            raise _ClientGone from None
         try:
             return model.model_validate_json(b"".join(chunks))
         except ValidationError as e:
@@ -236,6 +243,15 @@ class OpenAIServer:
         if req.logit_bias:
             raise APIError(400, "'logit_bias' is not supported by this server.", param="logit_bias",
                            code="unsupported")
+
+    def check_fanout(self, num_prompts: int, n: int) -> None:
+        """One HTTP request may start at most max_request_fanout engine requests (prompts x n)."""
+        cap = self.settings.max_request_fanout
+        if num_prompts * n > cap:
+            what = f"{num_prompts} prompts x n={n}" if num_prompts > 1 else f"n={n}"
+            raise APIError(400, f"This request asks for {num_prompts * n} completions ({what}); this server "
+                                f"allows at most {cap} per request (--max-request-fanout). Send fewer prompts or a "
+                                f"smaller 'n', or split the request.", param="n", code="too_many_completions")
 
     def check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -298,8 +314,6 @@ class OpenAIServer:
         except QueueFullError as e:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
-        except (ValueError, TypeError) as e:  # add_request refused it (we validate first, so rare)
-            raise APIError(400, str(e), code="invalid_value") from None
 
     async def collect(self, request: Request, group: RequestGroup,
                       total: int) -> tuple[list[RequestOutput | None], list[str]]:
@@ -404,6 +418,7 @@ class OpenAIServer:
         if len(raw_prompts) > self.settings.max_batch_prompts:
             raise APIError(400, f"At most {self.settings.max_batch_prompts} prompts per request.", param="prompt",
                            code="invalid_value")
+        self.check_fanout(len(raw_prompts), req.n)
 
         def tokenize() -> list[list[int]]:
             return [self.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in raw_prompts]
@@ -542,6 +557,7 @@ class OpenAIServer:
         if top_n and not req.logprobs:
             raise APIError(400, "'top_logprobs' requires 'logprobs': true.", param="top_logprobs",
                            code="invalid_value")
+        self.check_fanout(1, req.n)
         messages = self.chat_messages(req)
 
         def render() -> list[int]:
@@ -677,6 +693,7 @@ def _guard(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], 
         except APIError as e:
             return _error_response(e)
         except _ClientGone:
+            log.debug("client closed the connection during %s %s", request.method, request.url.path)
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         except Exception:
             log.exception("unhandled error in %s %s", request.method, request.url.path)
@@ -734,7 +751,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
             await server.aengine.shutdown()
             server._tok_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="Tercel", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json and /docs sit behind the API key like every route but /health.
+    app = FastAPI(title="Tercel", lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.server = server
     app.add_api_route("/v1/completions", _guard(server.completions), methods=["POST"])
     app.add_api_route("/v1/chat/completions", _guard(server.chat_completions), methods=["POST"])
@@ -742,6 +760,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     app.add_api_route("/v1/models/{model_id:path}", _guard(server.model), methods=["GET"])
     app.add_api_route("/health", _guard(server.health), methods=["GET"])
     app.add_api_route("/metrics", _guard(server.metrics_endpoint), methods=["GET"])
+    app.openapi = build_openapi(app, OPEN_PATHS, settings.api_key is not None)  # type: ignore[method-assign]
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -7,6 +7,8 @@ reported when the server starts.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import functools
 import logging
 import os
 import re
@@ -52,6 +54,16 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds (e.g. 10)")
+    return v
+
+
 def parse_size(text: str) -> int:
     """Bytes from '1073741824', '1GiB', '512M', '2g' (k/M/G = 1000^n, Ki/Mi/Gi = 1024^n)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?)?[bB]?\s*", text)
@@ -79,6 +91,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-body-bytes", type=parse_size, default=2 << 20,
                    help="largest request body; bigger gets HTTP 413 (default 2MiB)")
     s.add_argument("--max-n", type=_positive_int, default=16, help="largest 'n' per request (default 16)")
+    s.add_argument("--max-request-fanout", type=_positive_int, default=256,
+                   help="most completions (prompts x n) one request may ask for; more gets HTTP 400 (default 256; "
+                        "must be >= --max-n)")
+    s.add_argument("--max-connections", type=_positive_int, default=None,
+                   help="open client connections; a connection beyond gets HTTP 503 at once (default 1024, or "
+                        "fewer if the open-file limit is lower)")
+    s.add_argument("--header-timeout", type=_seconds, default=10.0,
+                   help="seconds a client has to send a request's headers; then it gets 408 and is closed (default 10)")
+    s.add_argument("--body-timeout", type=_seconds, default=30.0,
+                   help="seconds a client has to send a request's whole body after its headers (default 30)")
+    s.add_argument("--keep-alive-timeout", type=_seconds, default=5.0,
+                   help="seconds an idle keep-alive connection stays open (default 5)")
     s.add_argument("--shutdown-timeout", type=_positive_float, default=5.0,
                    help="seconds running requests get to finish after SIGTERM before they are aborted (default 5)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -138,12 +162,23 @@ def _setup_logging(level: str) -> None:
     logging.getLogger("tercel").setLevel(level.upper())
 
 
+def check_serve_args(args: argparse.Namespace) -> str | None:
+    """Cross-flag checks, before the model loads: the error message, or None."""
+    if args.model_opt and args.model_pos and args.model_opt != args.model_pos:
+        return f"two different models given ({args.model_pos!r} and --model {args.model_opt!r})."
+    if args.max_request_fanout < args.max_n:
+        return (f"--max-request-fanout {args.max_request_fanout} is below --max-n {args.max_n}: a request with "
+                f"n={args.max_n} could never run. Raise --max-request-fanout to at least {args.max_n} "
+                f"or lower --max-n.")
+    return None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, serve until SIGTERM/SIGINT. Returns the process exit code."""
     _setup_logging(args.log_level)
-    if args.model_opt and args.model_pos and args.model_opt != args.model_pos:
-        print(f"error: two different models given ({args.model_pos!r} and --model {args.model_opt!r}).",
-              file=sys.stderr)
+    problem = check_serve_args(args)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     model = args.model_opt or args.model_pos
     # SIGTERM before uvicorn takes over (imports, model load), or re-raised by uvicorn after its graceful
@@ -153,6 +188,8 @@ def run_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from .app import ServerSettings, build_app
+        from .connections import ConnectionGuard, ConnectionLimits, GuardedH11Protocol
+        from .connections import default_max_connections, ensure_file_limit
     except SystemExit as e:  # SIGTERM while importing
         return int(e.code or 0)
     except ImportError as e:
@@ -161,6 +198,15 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     from ..config import ConfigError
     from ..engine import LLMEngine
+
+    max_connections = args.max_connections or default_max_connections()
+    try:
+        ensure_file_limit(max_connections)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    limits = ConnectionLimits(max_connections=max_connections, header_timeout_s=args.header_timeout,
+                              body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout)
 
     api_key = args.api_key or os.environ.get("TERCEL_API_KEY") or None
     engine_kw = dict(dtype=args.dtype, device=args.device, dequantize_gguf=args.dequantize_gguf,
@@ -195,11 +241,16 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         served_model_name=args.served_model_name or engine.loaded.path.name, model_path=str(engine.loaded.path),
         api_key=api_key, max_queue_size=args.max_queue_size, max_body_bytes=args.max_body_bytes,
-        max_n=args.max_n, shutdown_timeout_s=args.shutdown_timeout)
+        max_n=args.max_n, max_request_fanout=args.max_request_fanout, shutdown_timeout_s=args.shutdown_timeout)
     app = build_app(engine, settings)
     server_state = app.state.server
+    guard = ConnectionGuard(limits, server_state.metrics)
 
     class _Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            guard.install_accept_error_handler(asyncio.get_running_loop())
+            await super().startup(sockets)
+
         def handle_exit(self, sig, frame) -> None:
             first = not self.should_exit
             super().handle_exit(sig, frame)
@@ -207,12 +258,16 @@ def run_serve(args: argparse.Namespace) -> int:
             if first and loop is not None:  # stop taking requests; abort the rest after the grace time
                 loop.call_soon_threadsafe(server_state.aengine.begin_drain, settings.shutdown_timeout_s)
 
+    # The guarded h11 protocol adds header/body timeouts and the connection cap (connections.py).
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.access_log, lifespan="on",
+                            http=functools.partial(GuardedH11Protocol, guard=guard),  # type: ignore[arg-type]
+                            timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]
                             timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 5)
-    log.info("serving %r (max_model_len %d, %s) on http://%s:%d%s", settings.served_model_name,
-             engine.config.max_model_len, engine.device, args.host, args.port,
-             " with an API key" if api_key else "")
+    log.info("serving %r (max_model_len %d, %s) on http://%s:%d%s; at most %d connections, timeouts: "
+             "headers %g s, body %g s, keep-alive %g s", settings.served_model_name, engine.config.max_model_len,
+             engine.device, args.host, args.port, " with an API key" if api_key else "", limits.max_connections,
+             limits.header_timeout_s, limits.body_timeout_s, limits.keep_alive_timeout_s)
     try:
         _Server(config).run()
     except SystemExit as e:  # uvicorn exits 1 when it cannot bind; our SIGTERM handler exits 0

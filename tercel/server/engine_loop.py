@@ -7,6 +7,12 @@ queue per HTTP request (a RequestGroup: its n choices, or a completions batch).
 
 Ordering guarantees: commands run in FIFO order before each step, so an abort posted after an add
 always finds the request, and an aborted request gets no output after the step that follows.
+
+Fairness: an HTTP request's engine requests (prompts x n) wait in a queue of their own on the engine
+thread, and the loop hands them to the engine round-robin across HTTP requests, only as fast as the
+engine can start them (a free running slot, at most one step's prefill budget waiting). A small
+request that arrives behind a large fan-out therefore starts at the next free slot instead of
+waiting behind the whole fan-out in the engine's FIFO queue.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import LLMEngine
@@ -59,6 +65,15 @@ class EngineRequest:
     params: SamplingParams
 
 
+@dataclass(slots=True, eq=False)  # identity equality: `group in deque` must not compare fields
+class _QueuedGroup:
+    """An HTTP request's engine requests not yet handed to the engine (engine thread only)."""
+
+    requests: collections.deque[EngineRequest]
+    arrival: float
+    added: list[str] = field(default_factory=list)
+
+
 class RequestGroup:
     """The engine requests behind one HTTP request. Outputs arrive on `queue` as (index, item)."""
 
@@ -88,11 +103,18 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         # event-loop thread only:
         self._owners: dict[str, RequestGroup] = {}
-        self._pending = 0  # engine requests posted but not yet added by the engine thread
+        # Engine requests posted but not yet added to the engine (in the inbox or the fair queue). Both
+        # threads change it (under the lock), the engine thread right before each add: at worst a moment's under-count, never
+        # an over-count that would answer a spurious 429.
+        self._pending = 0
+        self._pending_lock = threading.Lock()
         self.draining = False
         self.error: BaseException | None = None  # set when the engine thread died
         # engine thread only: request id -> [arrival, last token time]
         self._timing: dict[str, list[float]] = {}
+        self._turns: collections.deque[_QueuedGroup] = collections.deque()  # round-robin admission order
+        self._queued: dict[str, _QueuedGroup] = {}  # request id -> its group, until added or dropped
+        self._taken_in: list[asyncio.Future] = []  # submit() waits on these: resolved after admission
         self._spec_seen: list[int] = []  # the engine's accept histogram already exported
         spec_config = getattr(engine, "spec_config", None)
         self._spec_algorithm = getattr(spec_config, "algorithm", None) or "unknown"
@@ -130,8 +152,12 @@ class AsyncEngine:
 
     # ---- handler side (event-loop thread) -------------------------------------------------------
     async def submit(self, requests: list[EngineRequest], max_waiting: int | None = None) -> RequestGroup:
-        """Hand requests to the engine; returns once they are added (or raises what add_request raised).
-        The queue check and the bookkeeping run without an await in between, so it is race-free."""
+        """Queue requests for the engine; they join it in round-robin turns with other HTTP requests.
+        Returns once the engine thread has taken them in and admitted what fits (the next loop
+        iteration), so a burst of requests is paced by the engine loop and a stream starts while
+        its requests still wait. If add_request refuses one (the server validates first, so this
+        is rare), the group's queue gets EngineFailure items. The queue check and the bookkeeping
+        run without an await in between, so it is race-free."""
         if max_waiting is not None:
             waiting = self.num_waiting()
             if waiting + len(requests) > max_waiting:
@@ -139,14 +165,14 @@ class AsyncEngine:
         group = RequestGroup(self, [r.request_id for r in requests])
         for rid in group.ids:
             self._owners[rid] = group
+        self._change_pending(len(requests))
         assert self._loop is not None
-        fut: asyncio.Future[None] = self._loop.create_future()
-        self._pending += len(requests)
-        self._post_command(("add", requests, time.perf_counter(), fut))
+        taken_in: asyncio.Future[None] = self._loop.create_future()
+        self._post_command(("add", requests, time.perf_counter(), taken_in))
         try:
-            await fut
+            await taken_in
         except BaseException:
-            group.abort()  # cancelled (client left) or add failed: nothing may keep running
+            group.abort()  # cancelled (the client left): nothing may keep running
             raise
         return group
 
@@ -168,16 +194,15 @@ class AsyncEngine:
         self._wake.set()
 
     # callbacks run on the event loop, posted by the engine thread
-    def _ack(self, fut: asyncio.Future, requests: list[EngineRequest], error: BaseException | None) -> None:
-        self._pending -= len(requests)
-        if error is not None:
-            for r in requests:
-                self._owners.pop(r.request_id, None)
-        if not fut.done():
-            if error is None:
+    @staticmethod
+    def _resolve(futures: list[asyncio.Future]) -> None:
+        for fut in futures:
+            if not fut.done():
                 fut.set_result(None)
-            else:
-                fut.set_exception(error)
+
+    def _change_pending(self, delta: int) -> None:  # either thread
+        with self._pending_lock:
+            self._pending += delta
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -208,7 +233,11 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stop:
-                self._process_inbox()
+                self._taken_in = self._process_inbox()
+                self._admit()
+                if self._taken_in:
+                    self._post(self._resolve, self._taken_in)
+                    self._taken_in = []
                 if self._stop:
                     break
                 if not self.engine.has_unfinished_requests():
@@ -234,35 +263,90 @@ class AsyncEngine:
         except BaseException as e:  # pragma: no cover - the loop itself broke
             log.exception("the engine loop died")
             self.error = e
-            self._post(self._fail, list(self.engine.requests), e)
+            self._post(self._fail, list(self.engine.requests) + list(self._queued), e)
         finally:
             for rid in list(self.engine.requests):
                 self.engine.abort_request(rid)
+            for group in list(self._turns):  # never admitted: their handlers saw ABORTED or the failure
+                self._drop(group, list(group.requests))
+            # taken in by an iteration that broke, or posted after the loop stopped
+            late = self._taken_in + [cmd[3] for cmd in self._inbox if cmd[0] == "add"]
+            if late:
+                self._post(self._resolve, late)
 
-    def _process_inbox(self) -> None:
+    def _process_inbox(self) -> list[asyncio.Future]:
+        """Run the posted commands; returns the futures of the add commands taken in."""
+        taken_in: list[asyncio.Future] = []
         while self._inbox:
             cmd = self._inbox.popleft()
             if cmd[0] == "add":
                 _, requests, arrival, fut = cmd
-                added: list[str] = []
-                error: BaseException | None = None
-                try:
-                    for r in requests:
-                        self.engine.add_request(r.prompt_token_ids, r.params, r.request_id)
-                        added.append(r.request_id)
-                        self._timing[r.request_id] = [arrival, 0.0]
-                except Exception as e:  # all or nothing for a group
-                    error = e
-                    for rid in added:
+                group = _QueuedGroup(collections.deque(requests), arrival)
+                for r in requests:
+                    self._queued[r.request_id] = group
+                self._turns.append(group)
+                taken_in.append(fut)
+            elif cmd[0] == "abort":
+                dropped: dict[int, tuple[_QueuedGroup, list[EngineRequest]]] = {}
+                for rid in cmd[1]:
+                    group = self._queued.get(rid)
+                    if group is None:
                         self.engine.abort_request(rid)
                         self._timing.pop(rid, None)
-                if error is None and self.metrics is not None:
-                    self.metrics.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in requests))
-                self._post(self._ack, fut, requests, error)
-            elif cmd[0] == "abort":
-                for rid in cmd[1]:
+                    else:
+                        dropped.setdefault(id(group), (group, []))[1].append(rid)
+                for group, rids in dropped.values():
+                    gone = set(rids)
+                    self._drop(group, [r for r in group.requests if r.request_id in gone])
+        return taken_in
+
+    def _drop(self, group: _QueuedGroup, requests: list[EngineRequest]) -> None:
+        """Take requests out of a group's queue (aborted, or the group failed)."""
+        gone = {r.request_id for r in requests}
+        for rid in gone:
+            self._queued.pop(rid, None)
+        group.requests = collections.deque(r for r in group.requests if r.request_id not in gone)
+        if not group.requests and group in self._turns:
+            self._turns.remove(group)
+        self._change_pending(-len(gone))
+
+    def _engine_room(self) -> tuple[int, int]:
+        """(free running slots not already claimed by a waiting request, prefill tokens that may
+        still join the engine's waiting queue this step)."""
+        sched, cfg = self.engine.scheduler, self.engine.config
+        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        return (cfg.max_num_seqs - len(sched.running) - len(sched.waiting),
+                cfg.max_num_batched_tokens - waiting_tokens)
+
+    def _admit(self) -> None:
+        """Add queued requests to the engine, one per HTTP request in turn, while it has room."""
+        if not self._turns:
+            return
+        slots, tokens = self._engine_room()
+        prompt_tokens = 0
+        while self._turns and slots > 0 and tokens > 0:
+            group = self._turns.popleft()
+            r = group.requests.popleft()
+            del self._queued[r.request_id]
+            self._change_pending(-1)
+            try:
+                self.engine.add_request(r.prompt_token_ids, r.params, r.request_id)
+            except Exception as e:  # all or nothing for a group: undo what it already added
+                for rid in group.added:
                     self.engine.abort_request(rid)
                     self._timing.pop(rid, None)
+                self._post(self._fail, group.added + [r.request_id] + [q.request_id for q in group.requests], e)
+                self._drop(group, list(group.requests))
+                continue
+            group.added.append(r.request_id)
+            self._timing[r.request_id] = [group.arrival, 0.0]
+            prompt_tokens += len(r.prompt_token_ids)
+            slots -= 1
+            tokens -= len(r.prompt_token_ids)
+            if group.requests:
+                self._turns.append(group)
+        if prompt_tokens and self.metrics is not None:
+            self.metrics.prompt_tokens.inc(prompt_tokens)
 
     def _record_spec(self) -> None:
         """Export the engine's speculative accept counters (deltas since the last step)."""

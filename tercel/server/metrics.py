@@ -34,6 +34,9 @@ class ServerMetrics:
         self.e2e = h("e2e_request_latency_seconds", "From request arrival to its last token.", TTFT_BUCKETS)
         self.spec_accept_length = h("spec_decode_accept_length", "Tokens accepted per speculative verify step "
                                     "(including the bonus token).", ACCEPT_LENGTH_BUCKETS, ["algorithm"])
+        self.connections_open = g("connections_open", "Open client connections (refused ones not counted).")
+        self.connections_closed = c("connections_closed", "Connections the server closed on a client: "
+                                    "header_timeout, body_timeout, over_limit (--max-connections).", ["reason"])
         self.spec_accept_rate = g("spec_decode_accept_rate", "Fraction of drafted tokens accepted.", ["algorithm"])
 
     # ---- one-line constructors ---------------------------------------------------------------

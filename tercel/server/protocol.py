@@ -135,7 +135,18 @@ def validation_error_to_api(e: ValidationError) -> APIError:
     return APIError(400, msg, param=param, code="invalid_value")
 
 
-# ---- responses (plain dicts are built in app.py; these document the shapes) -----------------
+# ---- responses (app.py builds plain dicts; these models document them in /openapi.json) -------
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
 
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
@@ -144,6 +155,109 @@ class UsageInfo(BaseModel):
 
 
 FinishReason = Literal["stop", "length", "abort"]
+StopReason = int | str | None  # the stop token id or stop string that ended the choice
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason
+    stop_reason: StopReason = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class CompletionStreamResponse(BaseModel):
+    """One `data:` event of a streamed completion; the stream ends with `data: [DONE]`."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+    stop_reason: StopReason = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    """One `data:` event of a streamed chat completion; the stream ends with `data: [DONE]`."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):
@@ -158,3 +272,7 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: str = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "draining", "engine not running"]
