@@ -20,17 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _INTERPRET, pdl_mode
+from . import _INTERPRET, SMALL_M_ROWS, pdl_mode, row_bucket
 
-MAX_ROWS = 32  # the most rows one program holds: verify of 16 drafts x 2 requests, 32-way draft batches
-ROW_BUCKETS = (2, 4, 8, 16, 32)  # BLOCK_M values: one compiled kernel (and one tuned config) per bucket
-
-
-def row_bucket(m: int) -> int:
-    """The padded row count (BLOCK_M) that serves m rows, 1 < m <= MAX_ROWS."""
-    if not 1 < m <= MAX_ROWS:
-        raise ValueError(f"small-M GEMM: {m} rows; it serves 2..{MAX_ROWS}.")
-    return triton.next_power_of_2(m)
+ROW_BUCKETS = tuple(1 << i for i in range(1, SMALL_M_ROWS.bit_length()))  # 2, 4, .., 32: the BLOCK_M values
 
 
 @triton.jit
