@@ -127,59 +127,89 @@ SMOL = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_a
 
 
 def _smol_model(dtype: torch.dtype):
-    """A SmolLM2-shaped model, random weights (std 0.02, norms 1), tuned like the engine tunes it."""
-    from tercel.kernels.gemv_tune import tune_model
-
+    """A SmolLM2-shaped model, random weights (std 0.02, norms 1)."""
     model, cfg = tiny_model("cuda", dtype, **SMOL)
     g = torch.Generator(device="cpu").manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.ones(p.shape) if "norm" in name else 0.02 * torch.randn(p.shape, generator=g))
-    tune_model(model)
     return model, cfg
 
 
-def _greedy_verify(model, kv, reqs, t: int, steps: int, fused: bool, run=None) -> list[list[int]]:
+def _verify_steps(model, kv, reqs, t: int, steps: int, fused: bool, run=None) -> list[torch.Tensor]:
     """Greedy chains: each step verifies t tokens of request 0 (causal) and appends the first argmax."""
     os.environ["TERCEL_FUSED_DECODE"] = "1" if fused else "0"
     try:
         out = []
         for _ in range(steps):
-            batch = reqs.batch([0], t)
-            toks = (run(batch) if run is not None else model(batch, kv)).logits.argmax(-1).tolist()
-            reqs.advance([0], toks[:1])
-            out.append(toks)
+            logits = (run(reqs.batch([0], t)) if run is not None else model(reqs.batch([0], t), kv)).logits.clone()
+            reqs.advance([0], logits[:1].argmax(-1).tolist())
+            out.append(logits)
         return out
     finally:
         os.environ.pop("TERCEL_FUSED_DECODE", None)
 
 
-@needs_cuda
-@pytest.mark.gpu
-@torch.inference_mode()
-def test_smol_verify_fused_greedy_equals_unfused_and_graph_equals_eager():
+def _runs(model, cfg, t: int, graph: bool) -> tuple[list, list, list | None]:
+    """(unfused eager, fused eager, fused graph replay) logits of 3 verify steps of t tokens each."""
     from tercel.graphs import CudaGraphRunner, GraphConfig
     from tercel.graphs.steps import ModelStep
 
+    dtype = model.embed_tokens.weight.dtype
+    kvs = [kv_pool(cfg, "cuda", dtype, 200, 16) for _ in range(3)]
+    reqs = [FakeRequests(1, kv, cfg.vocab_size, min_len=100, max_len=101) for kv in kvs]
+    want = _verify_steps(model, kvs[0], reqs[0], t, 3, fused=False)
+    eager = _verify_steps(model, kvs[1], reqs[1], t, 3, fused=True)
+    if not graph:
+        return want, eager, None
+    os.environ["TERCEL_FUSED_DECODE"] = "1"  # captured with the fused kernels
+    try:
+        runner = CudaGraphRunner(ModelStep(model, kvs[2], 16, tokens_per_request=t),
+                                 GraphConfig(batch_sizes=(1,), backend="full"), "cuda")
+        runner.capture_all()
+    finally:
+        os.environ.pop("TERCEL_FUSED_DECODE", None)
+    graphed = _verify_steps(model, kvs[2], reqs[2], t, 3, fused=True, run=runner.run)
+    assert runner.stats.eager == 0
+    return want, eager, graphed
+
+
+@needs_cuda
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_smol_verify_fp32_fused_greedy_equals_unfused():
+    """fp32, every role forced onto the small-M kernels: the same greedy tokens as the unfused path."""
+    model, cfg = _smol_model(torch.float32)
+    fuse_all_rows(model)
+    for t in (2, 8, 16):
+        want, eager, _ = _runs(model, cfg, t, graph=False)
+        for g, w in zip(eager, want):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+            assert torch.equal(g.argmax(-1), w.argmax(-1)), t
+
+
+@needs_cuda
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_smol_verify_bf16_tuned_graph_equals_eager():
+    """bf16 as the engine runs it (tune_model's choices): graph replay == eager bit for bit, and the
+    fused verify agrees with the unfused one within bf16 (logits and nearly every greedy token)."""
+    from tercel.kernels.gemv_tune import tune_model
+
     model, cfg = _smol_model(torch.bfloat16)
+    choices = tune_model(model)
+    assert {c.rows for c in choices} == {1, 2, 4, 8, 16, 32}
     layer = model.layers[0]
     assert any(layer.self_attn.fused_configs(8) + layer.mlp.fused_configs(8)), "the tuner kept no small-M role"
     for t in (2, 8, 16):
-        kvs = [kv_pool(cfg, "cuda", torch.bfloat16, 200, 16) for _ in range(3)]
-        reqs = [FakeRequests(1, kv, cfg.vocab_size, min_len=100, max_len=101) for kv in kvs]
-        want = _greedy_verify(model, kvs[0], reqs[0], t, 3, fused=False)
-        eager = _greedy_verify(model, kvs[1], reqs[1], t, 3, fused=True)
-        assert eager == want, (t, eager, want)
-        os.environ["TERCEL_FUSED_DECODE"] = "1"  # captured with the fused kernels
-        try:
-            runner = CudaGraphRunner(ModelStep(model, kvs[2], 16, tokens_per_request=t),
-                                     GraphConfig(batch_sizes=(1,), backend="full"), "cuda")
-            runner.capture_all()
-        finally:
-            os.environ.pop("TERCEL_FUSED_DECODE", None)
-        graphed = _greedy_verify(model, kvs[2], reqs[2], t, 3, fused=True, run=runner.run)
-        assert graphed == eager, (t, graphed, eager)
-        assert runner.stats.eager == 0
+        want, eager, graphed = _runs(model, cfg, t, graph=True)
+        agree = total = 0
+        for g, e, w in zip(graphed, eager, want):
+            assert torch.equal(g, e), t
+            assert float((e - w).norm() / w.norm()) < 3e-2, t
+            agree += int((e.argmax(-1) == w.argmax(-1)).sum())
+            total += w.shape[0]
+        assert agree >= 0.9 * total, (t, agree, total)
 
 
 if __name__ == "__main__":

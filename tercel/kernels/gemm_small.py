@@ -49,7 +49,7 @@ def _prologue(X, NW, x_rows, mm, k0, cols, K, k_end, rstd,
     return x, raw
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel per row bucket, whatever M within it
 def _gemm_small_kernel(X, W, Y, R, NW, M, K, K_PER_SPLIT, stride_x, stride_w, N, eps,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                        NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_AFTER: tl.constexpr, SILU: tl.constexpr,
