@@ -8,9 +8,11 @@ power of two), so the weight traffic is that of batch-1 decode. Two inner produc
              "ieee" precision, so fp32 stays fp32 arithmetic)
 Every fusion of tercel.kernels.gemv comes along, per row and with the same rounding: the RMSNorm
 prologue (the normalised value rounded to the model dtype, times the weight, rounded again; or
-norm_after, dot=False only), the SwiGLU prologue, the residual epilogue, fp32 out for the logits,
-split-K with the deterministic sum kernel, and PDL (the first weight chunk is read before the wait).
-The prologue's inputs are rounded to the model dtype, so the tensor-core operands lose nothing.
+norm_after: no pre-pass over x, the rms applied to the fp32 product), the SwiGLU prologue, the residual
+epilogue, fp32 out for the logits, split-K with the deterministic sum kernel, and PDL (the first weight
+chunk is read before the wait). The prologues round their outputs to the model dtype, so the
+tensor-core operands lose nothing; except norm_after with dot, whose x * w is rounded once to the model
+dtype for the tensor cores (the unfused norm rounds twice; dot=False keeps it exact in fp32).
 (The Triton interpreter multiplies bf16 dot operands wrongly, so there the dot takes them widened to
 fp32: products of bf16 values are exact in fp32, the same sums as the tensor cores' up to order.)
 """
@@ -87,9 +89,10 @@ def _gemm_small_kernel(X, W, Y, R, NW, M, K, K_PER_SPLIT, stride_x, stride_w, N,
         if NORM_AFTER:
             ss += raw * raw
         if DOT:
-            if IEEE:
-                acc = tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-            else:  # x holds values of the weight's dtype already: the cast is exact
+            if IEEE:  # x as the tensor cores would take it (a no-op for fp32 weights), in fp32 arithmetic
+                xw = x.to(w.dtype).to(tl.float32)
+                acc = tl.dot(xw, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            else:  # x holds values of the weight's dtype already (norm_after: rounded here)
                 acc = tl.dot(x.to(w.dtype), tl.trans(w), acc)
         else:
             acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], 2)
@@ -116,8 +119,8 @@ def check_config(config, m: int, k: int, silu: bool, norm: bool) -> None:
     """Refuse what the small-M kernel cannot run, naming the bad value."""
     if config.dot and (config.block_n < 16 or config.block_k < 16):
         raise ValueError(f"gemm_small: {config} uses tl.dot, which needs block_n and block_k >= 16.")
-    if config.norm_after and (config.dot or not norm or config.split_k != 1):
-        raise ValueError(f"gemm_small: {config}: norm_after needs norm_weight, split_k=1 and dot=False.")
+    if config.norm_after and (not norm or config.split_k != 1):
+        raise ValueError(f"gemm_small: {config}: norm_after needs norm_weight and split_k=1.")
     if norm and silu:
         raise ValueError("gemm_small: a prologue is either the RMSNorm or the SwiGLU, not both.")
     row_bucket(m)

@@ -162,7 +162,7 @@ def tune_role(role: str, weights: list[torch.Tensor], plain: GemvConfig | None,
     # with 16384+ rows there are plenty of row programs already: no split-K
     fit = [c for c in candidates if not (c.split_k > 1 and n >= 16384)]
     if kind == "norm":
-        fit += [replace(c, norm_after=True) for c in fit if c.split_k == 1 and not c.norm_after and not c.dot]
+        fit += [replace(c, norm_after=True) for c in fit if c.split_k == 1 and not c.norm_after]
     best = _fastest(fused, want, weights, fit, f"fused gemv {role} x{rows}")
     per = 1e6 / len(weights)
     keep = best is not None and best[0] < MIN_GAIN_FUSED * t_ref

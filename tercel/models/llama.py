@@ -3,7 +3,7 @@
 q/k/v and gate/up projections are fused into one matmul each (fewer launches per layer);
 load_weights() maps HF tensor names onto the fused parameters.
 
-Decode on the GPU (one token, tuned GEMVs) runs each layer as about five launches: the RMSNorms
+Batch-1 decode on the GPU (one token, tuned GEMVs) runs each layer as about five launches: the RMSNorms
 in the prologue of the qkv and gate_up GEMVs, SwiGLU in the prologue of the down GEMV, the residual
 adds in the epilogues of the o and down GEMVs, RoPE + K/V store + attention in one kernel. The residual
 stream is then materialised after every sub-layer instead of flowing into the next norm's add; the
@@ -13,8 +13,10 @@ norm may fold into the lm_head GEMV, which stores the fp32 logits. A role whose 
 did not keep (tercel.kernels.gemv_tune) runs its unfused ops inside the same structure.
 Forwards of 2..32 rows (a verify of t tokens, a draft step, a small batch) take the same structure with
 the small-M GEMMs (tercel.kernels.gemm_small: the weights read once for all rows, every fusion per row),
-by the configs the tuner kept for their row bucket; the choice depends on the row count only, so an
-eager forward and a graph replay of one batch run the same kernels.
+by the configs the tuner kept for their row bucket (2, 4, 8, 16, 32). The choice depends on the row count
+only, so an eager forward and a graph replay of the same rows run the same kernels, and each row's values
+do not depend on the others; a graph padded into another row bucket may (as cuBLAS may pick another
+algorithm for a padded M).
 """
 from __future__ import annotations
 
