@@ -3,7 +3,7 @@
 At a few rows a linear layer is still a weight stream: each program reads its BLOCK_N weight rows
 once, in BLOCK_K chunks, and applies every chunk to all M rows of x (padded to BLOCK_M, the next
 power of two), so the weight traffic is that of batch-1 decode. Two inner products:
-  dot=False  broadcast multiply and a reduction over the chunk, in fp32 (few rows: 2..8)
+  dot=False  broadcast multiply and a reduction over the chunk, in fp32 (the tuner: 2 and 4 rows)
   dot=True   tl.dot on the tensor cores, M padded to at least 16 (the fp32 model dtype uses the exact
              "ieee" precision, so fp32 stays fp32 arithmetic)
 Every fusion of tercel.kernels.gemv comes along, per row and with the same rounding: the RMSNorm
@@ -13,8 +13,9 @@ epilogue, fp32 out for the logits, split-K with the deterministic sum kernel, an
 chunk is read before the wait). The prologues round their outputs to the model dtype, so the
 tensor-core operands lose nothing; except norm_after with dot, whose x * w is rounded once to the model
 dtype for the tensor cores (the unfused norm rounds twice; dot=False keeps it exact in fp32).
-(The Triton interpreter multiplies bf16 dot operands wrongly, so there the dot takes them widened to
-fp32: products of bf16 values are exact in fp32, the same sums as the tensor cores' up to order.)
+(The Triton interpreter multiplies bf16 dot operands wrongly, so there the dot takes them rounded to the
+model dtype and widened to fp32: products of bf16 values are exact in fp32, so the same sums as the
+tensor cores' up to order.)
 """
 from __future__ import annotations
 
