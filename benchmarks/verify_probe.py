@@ -81,7 +81,8 @@ def build(shape: str, device: str, dtype):
     cfg = ModelConfig.from_hf_dict(raw, source=LABELS[shape])
     model = build_model(cfg, 2048, dtype, torch.device(device))
     gen = torch.Generator(device=device).manual_seed(0)
-    h, f, q, kvd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    q, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
 
     def tensors():
         yield "model.embed_tokens.weight", (cfg.vocab_size, h)

@@ -66,8 +66,9 @@ def _forward(model, kv, batch, fused: bool) -> torch.Tensor:
 
 @torch.inference_mode()
 def compare_small_m_fused_unfused(device: str, dtype: torch.dtype = torch.float32) -> None:
-    """Verify of 4 tokens (a tree mask on the GPU) for one request and of 3 tokens for two (6 rows), and a prefill of two
-    5-token chunks with logits for the last rows only: fused small-M forwards equal the unfused ones."""
+    """Verify of 4 tokens (a tree mask on the GPU) for one request and of 3 tokens for two (6 rows), and a
+    prefill of two 5-token chunks with logits for the last rows only: fused small-M forwards equal the
+    unfused ones."""
     from tercel.attention.triton_backend import TritonAttentionBackend
 
     model, cfg = tiny_model(device, dtype, num_hidden_layers=2)

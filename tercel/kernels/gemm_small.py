@@ -156,8 +156,8 @@ def gemm_small(x: torch.Tensor, weight: torch.Tensor, config, *, norm_weight: to
         x, weight, out, res, norm_weight if norm_weight is not None else x, m, k, per_split, x.stride(0),
         weight.stride(0), n, eps, BLOCK_M=block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=splits,
         NORM=norm_weight is not None, NORM_BLOCK=norm_block, NORM_AFTER=c.norm_after, SILU=silu,
-        ADD=residual is not None, DOT=c.dot, IEEE=x.dtype == torch.float32 or _INTERPRET, PDL=pdl, num_warps=c.num_warps,
-        **launch)
+        ADD=residual is not None, DOT=c.dot, IEEE=x.dtype == torch.float32 or _INTERPRET, PDL=pdl,
+        num_warps=c.num_warps, **launch)
     if splits > 1:  # the [SPLIT, M * N] partials summed as gemv sums its [SPLIT, N]
         _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](out, y, res, x, m * n, SPLIT=splits, BLOCK=1024,
                                                         ADD=residual is not None, PDL=pdl, **launch)
