@@ -157,7 +157,7 @@ def check(model, kv, reqs, bs: int, t: int, device: str) -> dict:
         got = model(batch, kv).logits.clone()
     rel = float((got.double() - want.double()).norm() / want.double().norm())
     agree = float((got.argmax(-1) == want.argmax(-1)).float().mean())
-    return {"rel_err": round(rel, 6), "argmax_agree": round(agree, 4), "rows": int(want.shape[0])}
+    return {"rel_err": float(f"{rel:.3g}"), "argmax_agree": round(agree, 4), "rows": int(want.shape[0])}
 
 
 def median_replay_us(graph, reps: int, rounds: int = 5) -> float:
