@@ -52,7 +52,7 @@ SMALL_M_DOT = (  # every row bucket; wide programs re-read the rows of x (and th
     GemvConfig(block_n=64, block_k=128, num_warps=8, dot=True),
     GemvConfig(block_n=16, block_k=256, split_k=4, dot=True),
 )
-SMALL_M_BROADCAST = (GemvConfig(block_n=8, block_k=256), GemvConfig(block_n=4, block_k=512))  # 2 and 4 rows
+SMALL_M_BROADCAST = (GemvConfig(block_n=8, block_k=256),)  # 2 and 4 rows (each compile costs start-up time)
 SMALL_M_BROADCAST_ROWS = 4  # past this the broadcast tile (rows x block_n x block_k) spills registers
 
 
