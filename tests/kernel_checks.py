@@ -247,6 +247,71 @@ def check_gemv_fused(device: str, dtype: torch.dtype) -> None:
             raise AssertionError("norm_after with split_k > 1 must be refused")
 
 
+def _small_m_case(device: str, dtype: torch.dtype, m: int, n: int, k: int, g: torch.Generator) -> dict:
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    return dict(w=rnd(n, k), x=rnd(m, k), gu=rnd(m, 2 * k), r=rnd(m, n),
+                nw=(1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype))
+
+
+def check_gemm_small(device: str, dtype: torch.dtype) -> None:
+    """The small-M GEMM (2..32 rows, kernels.gemm_small) with every fusion equals the unfused kernels row
+    by row: several row counts and shapes, the broadcast product and tl.dot, split-K; fp32 logits are the
+    rounded values widened; rows never see each other (a changed row leaves the others bit-equal)."""
+    from tercel.kernels.fused import rms_norm, silu_mul
+    from tercel.kernels.gemv import GemvConfig, gemv
+
+    g = torch.Generator(device="cpu").manual_seed(12)
+    cases = [(2, 40, 96, GemvConfig(block_n=8, block_k=32)),
+             (5, 33, 80, GemvConfig(block_n=4, block_k=32, split_k=2)),
+             (13, 48, 96, GemvConfig(block_n=16, block_k=32, dot=True)),
+             (32, 40, 64, GemvConfig(block_n=16, block_k=16, split_k=3, dot=True))]
+    if dtype != torch.float32:  # bf16 under the interpreter is slow: the two kernels, one case each
+        cases = cases[1:3]
+    tol = _tol(dtype) / (4 if dtype == torch.float32 else 2)  # bf16: both sides round the product, then the sum
+    for m, n, k, c in cases:
+        d = _small_m_case(device, dtype, m, n, k, g)
+        w, x, gu, r, nw = d["w"], d["x"], d["gu"], d["r"], d["nw"]
+        y = gemv(x, w, c)
+        assert y.shape == (m, n) and y.dtype == dtype
+        assert _rel(y, F.linear(x.double(), w.double())) < _tol(dtype), (m, c, "plain")
+        normed = gemv(x, w, c, norm_weight=nw, eps=1e-5)
+        assert _rel(normed, F.linear(rms_norm(x, nw, 1e-5), w)) < tol, (m, c, "norm")
+        assert _rel(gemv(gu, w, c, silu=True, residual=r), r + F.linear(silu_mul(gu), w)) < tol, (m, c, "silu")
+        added = gemv(x, w, c, residual=r)
+        assert _rel(added, r + F.linear(x, w)) < tol, (m, c, "add")
+        logits = gemv(x, w, c, norm_weight=nw, eps=1e-5, out_dtype=torch.float32)
+        assert logits.dtype == torch.float32 and torch.equal(logits, normed.float()), (m, c, "out_dtype")
+        x2, r2 = x.clone(), r.clone()
+        x2[0], r2[0] = 3 * x2[0], -r2[0]
+        assert torch.equal(gemv(x2, w, c, residual=r2)[1:], added[1:]), (m, c, "rows mixed")
+        assert torch.equal(gemv(x2, w, c, norm_weight=nw, eps=1e-5)[1:], normed[1:]), (m, c, "norm rows mixed")
+    m, n, k = 6, 40, 96  # norm_after: the rms on the fp32 product, as close to exact as the unfused kernels
+    d = _small_m_case(device, dtype, m, n, k, g)
+    xd = d["x"].double()
+    exact = F.linear(xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * d["nw"].double(), d["w"].double())
+    unfused = F.linear(rms_norm(d["x"], d["nw"], 1e-5), d["w"])
+    for c in (GemvConfig(block_n=8, block_k=32, norm_after=True), GemvConfig(block_n=16, block_k=32, norm_after=True,
+                                                                            dot=True)):
+        y = gemv(d["x"], d["w"], c, norm_weight=d["nw"], eps=1e-5)
+        bound = max(_rel(unfused, exact), 1e-6) * 1.5 + (1e-6 if dtype == torch.float32 else 4e-3)
+        assert _rel(y, exact) <= bound, (c, _rel(y, exact), bound)
+    for bad in (GemvConfig(block_n=16, block_k=32, split_k=2, norm_after=True), GemvConfig(block_n=8, dot=True)):
+        try:
+            gemv(d["x"], d["w"], bad, norm_weight=d["nw"], eps=1e-5)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"{bad} must be refused")
+    try:
+        gemv(torch.zeros(33, k, device=device, dtype=dtype), d["w"], GemvConfig())
+    except ValueError as e:
+        assert "33 rows" in str(e)
+    else:
+        raise AssertionError("33 rows must be refused")
+
+
 def check_decode_rope(device: str, dtype: torch.dtype) -> None:
     """One-launch decode (RoPE + K/V store + split attention + in-kernel merge) equals rope_store followed
     by decode_attention: output, stored K/V, untouched cache elsewhere; counters left at zero."""
@@ -310,7 +375,8 @@ def check_argmax(device: str, dtype: torch.dtype) -> None:
     assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
 
 
-ALL = [check_argmax, check_norms, check_rope_store, check_decode, check_extend, check_gemv, check_gemv_fused, check_decode_rope]
+ALL = [check_argmax, check_norms, check_rope_store, check_decode, check_extend, check_gemv, check_gemv_fused,
+       check_gemm_small, check_decode_rope]
 
 
 def run_all(device: str, dtype: torch.dtype) -> None:

@@ -55,7 +55,7 @@ def compare_fused_unfused(device: str, dtype: torch.dtype = torch.float32, steps
     _fuse_all(model)
     kv_f, kv_u = kv_pool(cfg, device, dtype, 200, 16), kv_pool(cfg, device, dtype, 200, 16)
     reqs_f, reqs_u = FakeRequests(4, kv_f, cfg.vocab_size), FakeRequests(4, kv_u, cfg.vocab_size)
-    assert model._fused_decode1(torch.zeros(1, cfg.hidden_size, device=device, dtype=dtype))
+    assert model._fused_rows(torch.zeros(1, cfg.hidden_size, device=device, dtype=dtype))
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     for rows in ([1], [0, 2, 3]):  # batch 1 (fused layers) and batch 3 (unfused layers, fused attention)
         got = _steps(model, kv_f, reqs_f, rows, steps, fused=True)

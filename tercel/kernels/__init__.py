@@ -4,8 +4,8 @@
 `use_triton(t, *params)` is the one switch the model and attention code consult; TERCEL_DISABLE_TRITON=1
 turns every kernel off (debugging: compare against the PyTorch path on the same GPU).
 Switches for side-by-side measurements (benchmarks/decode_variants.py):
-  TERCEL_FUSED_DECODE=0   batch-1 decode on the unfused kernels (norms, SwiGLU, residual adds, RoPE + store
-                          as their own launches)
+  TERCEL_FUSED_DECODE=0   batch-1 decode and small-M forwards (verify, drafts, small batches) on the unfused
+                          kernels (norms, SwiGLU, residual adds, RoPE + store as their own launches)
   TERCEL_DECODE_ATTN      decode attention: rope (default: RoPE + K/V store in the split kernel, merge
                           kernel after), one (the merge in the same launch, by the last split), split (the
                           separate rope_store kernel before)
@@ -52,8 +52,20 @@ def use_triton(t: torch.Tensor, *params: torch.Tensor) -> bool:
 
 
 def fused_decode_enabled() -> bool:
-    """Batch-1 decode folds RMSNorm, SwiGLU and the residual adds into the GEMVs (models/llama.py)."""
+    """Decode and small-M forwards (up to SMALL_M_ROWS rows) fold RMSNorm, SwiGLU and the residual adds
+    into the GEMVs (models/llama.py)."""
     return os.environ.get("TERCEL_FUSED_DECODE", "1") != "0"
+
+
+SMALL_M_ROWS = 32  # the most rows of a fused small-M forward (kernels.gemm_small): 16 drafts x 2 requests
+
+
+def row_bucket(m: int) -> int:
+    """The padded row count that serves m rows (1 < m <= SMALL_M_ROWS): one compiled kernel and one tuned
+    config per bucket, so the choice depends on the shape only."""
+    if not 1 < m <= SMALL_M_ROWS:
+        raise ValueError(f"small-M GEMM: {m} rows; it serves 2..{SMALL_M_ROWS}.")
+    return 1 << (m - 1).bit_length()
 
 
 DECODE_ATTN_MODES = ("rope", "one", "split")

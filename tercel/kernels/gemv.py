@@ -40,6 +40,7 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     norm_after: bool = False  # RMSNorm prologue only: scale the dot product by 1/rms (one pass; split_k 1)
+    dot: bool = False  # small-M only (kernels.gemm_small): tensor-core tl.dot, rows padded to 16
 
 
 @triton.jit
@@ -129,7 +130,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig = GemvConfig(
          residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x: [1, K] contiguous (silu: [1, 2K], gate first), weight: [N, K] row-major -> [1, N] in x's dtype
     (or out_dtype, holding the x-dtype values). norm_weight: multiply by rms_norm(x) instead of x;
-    residual [1, N]: return residual + product."""
+    residual [1, N]: return residual + product. x of 2..32 rows goes to kernels.gemm_small."""
+    if x.dim() == 2 and x.shape[0] > 1:
+        from .gemm_small import gemm_small
+
+        return gemm_small(x, weight, config, norm_weight=norm_weight, eps=eps, silu=silu, residual=residual,
+                          out_dtype=out_dtype)
     n, k = weight.shape
     if norm_weight is not None and silu:
         raise ValueError("gemv: a prologue is either the RMSNorm or the SwiGLU, not both.")

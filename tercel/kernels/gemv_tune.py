@@ -15,10 +15,17 @@ plus the kernels it absorbs:
 and kept where it wins by 1% (both sides run the same weights, so a smaller margin than the plain choice's).
 The RMSNorm roles also try each unsplit config with norm_after (the rms applied after the product, one
 pass over x instead of a pre-pass per program).
+
+Small-M forwards (verify, drafts, small batches: 2..32 rows, kernels.gemm_small) get the same five roles
+measured once per row bucket (2, 4, 8, 16, 32), at the bucket's full row count, against the unfused ops at
+that many rows (cuBLAS GEMMs); a bucket whose role loses keeps the unfused ops. The tl.dot configs pad to
+16 rows, so one compiled kernel serves buckets 2..16 (and one 32): the buckets cost timing, not compiles;
+the broadcast-product configs are tried at 2 and 4 rows only.
 """
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
@@ -40,6 +47,13 @@ CANDIDATES = (
 )
 MIN_GAIN = 0.97  # keep a GEMV config only if it takes < 97% of cuBLAS's time
 MIN_GAIN_FUSED = 0.99  # a fused role: < 99% of the unfused ops' time
+SMALL_M_DOT = (  # every row bucket; wide programs re-read the rows of x (and their norm pre-pass) less often
+    GemvConfig(block_n=16, block_k=256, dot=True), GemvConfig(block_n=32, block_k=128, dot=True),
+    GemvConfig(block_n=64, block_k=128, num_warps=8, dot=True),
+    GemvConfig(block_n=16, block_k=256, split_k=4, dot=True),
+)
+SMALL_M_BROADCAST = (GemvConfig(block_n=8, block_k=256),)  # 2 and 4 rows (each compile costs start-up time)
+SMALL_M_BROADCAST_ROWS = 4  # past this the broadcast tile (rows x block_n x block_k) spills registers
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +64,7 @@ class GemvChoice:
     gemv_us: float | None
     config: GemvConfig | None  # None: cuBLAS (fused roles: None keeps the unfused ops)
     role: str = "plain"  # plain, or the fused role: qkv, o, gate_up, down
+    rows: int = 1  # 1: batch-1 decode; else the small-M row bucket measured
 
 
 def _graph_time(fn, replays: int = 5) -> float:
@@ -113,15 +128,22 @@ def _linear_fn(config: GemvConfig | None, out_dtype: torch.dtype | None = None):
     return lambda x, w: gemv(x, w, config, out_dtype=out_dtype)
 
 
+def small_m_candidates(rows: int) -> list[GemvConfig]:
+    """What tune_role tries for a small-M row bucket (before tune_role's own split and norm_after rules)."""
+    return list(SMALL_M_DOT) + (list(SMALL_M_BROADCAST) if rows <= SMALL_M_BROADCAST_ROWS else [])
+
+
 def tune_role(role: str, weights: list[torch.Tensor], plain: GemvConfig | None,
-              candidates=CANDIDATES) -> GemvChoice:
-    """The fused GEMV of one role against its unfused ops (plain: the linear's own choice)."""
+              candidates=CANDIDATES, rows: int = 1) -> GemvChoice:
+    """The fused GEMV of one role against its unfused ops (plain: the linear's own choice, batch 1 only:
+    more rows run cuBLAS), with `rows` rows of input (> 1: the small-M GEMM)."""
     n, k = weights[0].shape
     dev, dt = weights[0].device, weights[0].dtype
     kind = ROLES[role]
+    plain = plain if rows == 1 else None
     g = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(1, 2 * k if kind == "silu_add" else k, device=dev, dtype=dt, generator=g)
-    r = torch.randn(1, n, device=dev, dtype=dt, generator=g)
+    x = torch.randn(rows, 2 * k if kind == "silu_add" else k, device=dev, dtype=dt, generator=g)
+    r = torch.randn(rows, n, device=dev, dtype=dt, generator=g)
     nw = (1 + 0.1 * torch.randn(k, device=dev, generator=g)).to(dt)
     out_dtype = torch.float32 if role == "lm_head" else None  # the logits are fp32
     lin = _linear_fn(plain, out_dtype)
@@ -142,15 +164,15 @@ def tune_role(role: str, weights: list[torch.Tensor], plain: GemvConfig | None,
     fit = [c for c in candidates if not (c.split_k > 1 and n >= 16384)]
     if kind == "norm":
         fit += [replace(c, norm_after=True) for c in fit if c.split_k == 1 and not c.norm_after]
-    best = _fastest(fused, want, weights, fit, f"fused gemv {role}")
+    best = _fastest(fused, want, weights, fit, f"fused gemv {role} x{rows}")
     per = 1e6 / len(weights)
     keep = best is not None and best[0] < MIN_GAIN_FUSED * t_ref
     return GemvChoice((n, k), len(weights), round(t_ref * per, 2), round(best[0] * per, 2) if best else None,
-                      best[1] if keep else None, role)
+                      best[1] if keep else None, role, rows)
 
 
-def _tune_fused(model: torch.nn.Module) -> list[GemvChoice]:
-    """Measure and set the fused decode roles of a Llama-family model (nothing for other models)."""
+def _role_slots(model: torch.nn.Module) -> dict[str, list]:
+    """Per fused role: (module, attribute, weight, the weight's plain choice) of every layer."""
     from ..models.llama import MLP, Attention, LlamaForCausalLM
 
     # (module, attribute, weight, the weight's plain choice)
@@ -164,6 +186,12 @@ def _tune_fused(model: torch.nn.Module) -> list[GemvChoice]:
             slots["down"].append((m, "down_fused", m.down_proj.weight, m.down_proj.gemv))
         elif isinstance(m, LlamaForCausalLM) and m.lm_head_weight.is_cuda:
             slots["lm_head"].append((m, "lm_head_fused", m.lm_head_weight, m.lm_head_config))
+    return slots
+
+
+def _tune_fused(model: torch.nn.Module) -> list[GemvChoice]:
+    """Measure and set the fused decode roles of a Llama-family model (nothing for other models)."""
+    slots = _role_slots(model)
     measured = []
     for role, items in slots.items():
         by_shape: dict[tuple[tuple[int, int], GemvConfig | None], list] = defaultdict(list)
@@ -174,6 +202,30 @@ def _tune_fused(model: torch.nn.Module) -> list[GemvChoice]:
     for group, choice in measured:  # all measured first, as in tune_model
         for mod, attr, _, _ in group:
             setattr(mod, attr, choice.config)
+    return [c for _, c in measured]
+
+
+def _tune_small_m(model: torch.nn.Module) -> list[GemvChoice]:
+    """Measure and set the small-M roles of a Llama-family model, per row bucket ({attribute}_rows)."""
+    from .gemm_small import ROW_BUCKETS
+
+    measured = []
+    for role, items in _role_slots(model).items():
+        by_shape: dict[tuple[int, int], list] = defaultdict(list)
+        for item in items:
+            by_shape[tuple(item[2].shape)].append(item)
+        for group in by_shape.values():
+            weights = [w for _, _, w, _ in group]
+            for rows in ROW_BUCKETS:
+                choice = tune_role(role, weights, None, small_m_candidates(rows), rows=rows)
+                measured.append((group, choice))
+    for group, choice in measured:  # all measured first: a failure part-way sets nothing
+        for mod, attr, _, _ in group:
+            table = getattr(mod, attr + "_rows")
+            if choice.config is None:
+                table.pop(choice.rows, None)
+            else:
+                table[choice.rows] = choice.config
     return [c for _, c in measured]
 
 
@@ -206,7 +258,13 @@ def tune_model(model: torch.nn.Module) -> list[GemvChoice]:
         choices += _tune_fused(model)
     except Exception as e:  # never fatal: the unfused decode stays
         log.warning("fused batch-1 GEMV tuning failed (%s); decode stays unfused", e)
+    start = time.perf_counter()
+    try:
+        choices += _tune_small_m(model)
+    except Exception as e:  # never fatal: forwards of several rows stay unfused
+        log.warning("small-M GEMM tuning failed (%s); verify and small batches stay unfused", e)
+    log.info("small-M GEMM tuning took %.1f s", time.perf_counter() - start)
     for c in choices:
-        log.info("batch-1 linear %s %s x%d: unfused %.1f us, GEMV %s us -> %s", c.role, c.shape, c.layers,
-                 c.cublas_us, c.gemv_us, c.config or "unfused")
+        log.info("linear %s %s x%d layers, %d row(s): unfused %.1f us, GEMV %s us -> %s", c.role, c.shape, c.layers,
+                 c.rows, c.cublas_us, c.gemv_us, c.config or "unfused")
     return choices

@@ -11,6 +11,12 @@ values are the same (each op rounds where its unfused kernel does), except where
 norm_after RMSNorm role (the rms applied to the fp32 product: closer to exact, not bit-equal). The final
 norm may fold into the lm_head GEMV, which stores the fp32 logits. A role whose fused GEMV the tuner
 did not keep (tercel.kernels.gemv_tune) runs its unfused ops inside the same structure.
+Forwards of 2..32 rows (a verify of t tokens, a draft step, a small batch) take the same structure with
+the small-M GEMMs (tercel.kernels.gemm_small: the weights read once for all rows, every fusion per row),
+by the configs the tuner kept for their row bucket (2, 4, 8, 16, 32). The choice depends on the row count
+only, so an eager forward and a graph replay of the same rows run the same kernels, and each row's values
+do not depend on the others; a graph padded into another row bucket may (as cuBLAS may pick another
+algorithm for a padded M).
 """
 from __future__ import annotations
 
@@ -23,11 +29,17 @@ from torch import nn
 from ..attention.torch_ref import TorchAttentionBackend
 from ..config import ConfigError, ModelConfig
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
-from ..kernels import fused_decode_enabled, use_triton
+from ..kernels import SMALL_M_ROWS, fused_decode_enabled, row_bucket, use_triton
 from ..kv import PagedKVCache
 from .cpu_linear import CpuPackedLinear, PackedInt4, Q4Blocks, pack_dense, pack_linear
 from .linear import Linear, linear
 from .rope import RotaryEmbedding, apply_rope
+
+
+def fused_config(single, by_bucket: dict, m: int):
+    """A role's fused GEMV config for m rows: the batch-1 one, or the one tuned for m's row bucket
+    (None: that role runs its unfused ops)."""
+    return single if m == 1 else by_bucket.get(row_bucket(m))
 
 
 class RMSNorm(nn.Module):
@@ -70,6 +82,8 @@ class Attention(nn.Module):
         # batch-1 decode GEMVs with their neighbours folded in (set by tercel.kernels.gemv_tune; None: unfused)
         self.qkv_fused = None  # GemvConfig: input RMSNorm in the prologue
         self.o_fused = None  # GemvConfig: residual add in the epilogue
+        self.qkv_fused_rows: dict = {}  # row bucket -> GemvConfig of the small-M GEMM (absent: unfused)
+        self.o_fused_rows: dict = {}
 
     def _attend(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], backend: TorchAttentionBackend,
                 batch: ForwardBatch, meta: object, kv: PagedKVCache) -> torch.Tensor:
@@ -84,20 +98,23 @@ class Attention(nn.Module):
         qk = apply_rope(qk, *cos_sin)
         return backend.forward(self.layer, qk[:, :self.num_heads], qk[:, self.num_heads:], v, batch, meta, kv)
 
-    def forward_decode1(self, residual: torch.Tensor, norm: RMSNorm, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                        backend: TorchAttentionBackend, batch: ForwardBatch, meta: object,
-                        kv: PagedKVCache) -> torch.Tensor:
-        """Batch-1 decode: residual + attn(norm(residual)), the norm and the add folded into the GEMVs."""
+    def fused_configs(self, m: int) -> tuple:
+        return fused_config(self.qkv_fused, self.qkv_fused_rows, m), fused_config(self.o_fused, self.o_fused_rows, m)
+
+    def forward_fused(self, residual: torch.Tensor, norm: RMSNorm, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                      backend: TorchAttentionBackend, batch: ForwardBatch, meta: object,
+                      kv: PagedKVCache) -> torch.Tensor:
+        """Decode / small M: residual + attn(norm(residual)), the norm and the add folded into the GEMVs."""
         from ..kernels.gemv import gemv
 
-        if self.qkv_fused is not None:
-            qkv = gemv(residual, self.qkv_proj.weight, self.qkv_fused,
-                       norm_weight=norm.weight, eps=norm.eps)
+        qkv_c, o_c = self.fused_configs(residual.shape[0])
+        if qkv_c is not None:
+            qkv = gemv(residual, self.qkv_proj.weight, qkv_c, norm_weight=norm.weight, eps=norm.eps)
         else:
             qkv = linear(norm.forward(residual), self.qkv_proj.weight, self.qkv_proj.gemv, self.qkv_proj.bias)
         out = self._attend(qkv, cos_sin, backend, batch, meta, kv)
-        if self.o_fused is not None:
-            return gemv(out, self.o_proj.weight, self.o_fused, residual=residual)
+        if o_c is not None:
+            return gemv(out, self.o_proj.weight, o_c, residual=residual)
         return residual + linear(out, self.o_proj.weight, self.o_proj.gemv)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
@@ -115,18 +132,24 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up_fused = None  # GemvConfig: post-attention RMSNorm in the prologue (tercel.kernels.gemv_tune)
         self.down_fused = None  # GemvConfig: SwiGLU in the prologue, residual add in the epilogue
+        self.gate_up_fused_rows: dict = {}  # row bucket -> GemvConfig of the small-M GEMM (absent: unfused)
+        self.down_fused_rows: dict = {}
 
-    def forward_decode1(self, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """Batch-1 decode: residual + mlp(norm(residual)), norm, SwiGLU and add folded into the GEMVs."""
+    def fused_configs(self, m: int) -> tuple:
+        return (fused_config(self.gate_up_fused, self.gate_up_fused_rows, m),
+                fused_config(self.down_fused, self.down_fused_rows, m))
+
+    def forward_fused(self, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """Decode / small M: residual + mlp(norm(residual)), norm, SwiGLU and add folded into the GEMVs."""
         from ..kernels.gemv import gemv
 
-        if self.gate_up_fused is not None:
-            gate_up = gemv(residual, self.gate_up_proj.weight, self.gate_up_fused, norm_weight=norm.weight,
-                           eps=norm.eps)
+        gate_up_c, down_c = self.fused_configs(residual.shape[0])
+        if gate_up_c is not None:
+            gate_up = gemv(residual, self.gate_up_proj.weight, gate_up_c, norm_weight=norm.weight, eps=norm.eps)
         else:
             gate_up = linear(norm.forward(residual), self.gate_up_proj.weight, self.gate_up_proj.gemv)
-        if self.down_fused is not None:
-            return gemv(gate_up, self.down_proj.weight, self.down_fused, silu=True, residual=residual)
+        if down_c is not None:
+            return gemv(gate_up, self.down_proj.weight, down_c, silu=True, residual=residual)
         from ..kernels.fused import silu_mul
         return residual + linear(silu_mul(gate_up), self.down_proj.weight, self.down_proj.gemv)
 
@@ -159,6 +182,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head_gemv = None  # tied head: GEMV config set by tercel.kernels.gemv_tune
         self.lm_head_fused = None  # GemvConfig: final RMSNorm in the lm_head GEMV's prologue (batch-1 decode)
+        self.lm_head_fused_rows: dict = {}  # row bucket -> GemvConfig: the same for small-M forwards
         self.rope = RotaryEmbedding(cfg, max_positions, dtype)
         self.attn_backend = TorchAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
         self.aux_layer_ids: tuple[int, ...] = ()
@@ -188,24 +212,28 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, normed_hidden: torch.Tensor) -> torch.Tensor:
         return linear(normed_hidden, self.lm_head_weight, self.lm_head_config, out_dtype=torch.float32)
 
-    def _decode1_head(self, h: torch.Tensor, want_normed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Batch-1 decode: (fp32 logits, final-normed hidden or None), the final RMSNorm folded into the
-        lm_head GEMV when the tuner kept that (the normed row is then made only if a capture needs it)."""
-        if self.lm_head_fused is None:
+    def _fused_head(self, h: torch.Tensor, want_normed: bool, batch: ForwardBatch,
+                    every_row: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Fused forward: (fp32 logits, final-normed hidden or None), the final RMSNorm folded into the
+        lm_head GEMV when the tuner kept that and every row wants logits (the normed rows are then made
+        only if a capture needs them); otherwise the norm, and the head on the logits rows."""
+        config = fused_config(self.lm_head_fused, self.lm_head_fused_rows, h.shape[0]) if every_row else None
+        if config is None:
             normed = self.norm.forward(h)
-            return self.compute_logits(normed), normed
+            return self.compute_logits(normed if every_row else normed[batch.logits_indices]), normed
         from ..kernels.gemv import gemv
 
-        logits = gemv(h, self.lm_head_weight, self.lm_head_fused, norm_weight=self.norm.weight, eps=self.norm.eps,
+        logits = gemv(h, self.lm_head_weight, config, norm_weight=self.norm.weight, eps=self.norm.eps,
                       out_dtype=torch.float32)
         return logits, self.norm.forward(h) if want_normed else None
 
-    def _fused_decode1(self, h: torch.Tensor) -> bool:
-        """One token on the GPU, and the tuner kept a fused GEMV for some role of every layer."""
-        if h.dim() != 2 or h.shape[0] != 1 or not h.is_contiguous() or not use_triton(h) or not fused_decode_enabled():
+    def _fused_rows(self, h: torch.Tensor) -> bool:
+        """1..SMALL_M_ROWS rows on the GPU, and the tuner kept a fused GEMV for that row count in some role
+        of every layer. Depends on the shape only (and the switches), never on the values."""
+        m = h.shape[0] if h.dim() == 2 else 0
+        if not 1 <= m <= SMALL_M_ROWS or not h.is_contiguous() or not use_triton(h) or not fused_decode_enabled():
             return False
-        return all(any(c is not None for c in (layer.self_attn.qkv_fused, layer.self_attn.o_fused,
-                                                layer.mlp.gate_up_fused, layer.mlp.down_fused))
+        return all(any(c is not None for c in layer.self_attn.fused_configs(m) + layer.mlp.fused_configs(m))
                    for layer in self.layers)
 
     def forward(self, batch: ForwardBatch, kv: PagedKVCache, input_embeds: torch.Tensor | None = None,
@@ -220,14 +248,15 @@ class LlamaForCausalLM(nn.Module):
         # logits of every row (decode, verify): no gather. The rows are sorted and distinct, so as many
         # as there are tokens means all of them.
         every_row = batch.logits_indices.shape[0] == h.shape[0]
-        if self._fused_decode1(h):  # see the module docstring: ~5 launches per layer
+        if self._fused_rows(h):  # see the module docstring: ~5 launches per layer
             for i, layer in enumerate(self.layers):
-                h = layer.self_attn.forward_decode1(h, layer.input_layernorm, cos_sin, self.attn_backend, batch,
-                                                    meta, kv)
-                h = layer.mlp.forward_decode1(h, layer.post_attention_layernorm)
+                h = layer.self_attn.forward_fused(h, layer.input_layernorm, cos_sin, self.attn_backend, batch,
+                                                  meta, kv)
+                h = layer.mlp.forward_fused(h, layer.post_attention_layernorm)
                 if i in aux_ids:
                     aux.append(h)
-            logits, normed = self._decode1_head(h, mode != CaptureHiddenMode.NULL and not self.aux_layer_ids)
+            logits, normed = self._fused_head(h, mode != CaptureHiddenMode.NULL and not self.aux_layer_ids, batch,
+                                              every_row)
             return ModelOutput(logits=logits, hidden_states=self._hidden(mode, aux, normed, batch, every_row))
         else:
             # Residual stream h_i = h_(i-1) + attn + mlp; each add is fused into the norm that follows it,
