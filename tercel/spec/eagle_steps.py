@@ -25,6 +25,7 @@ from ..graphs.buffers import BufferSpec, Pad, Per
 from ..graphs.runner import StepKind
 from ..kv import PagedKVCache
 from ..models.eagle3 import EagleDraftModel
+from ..sampling import greedy_tokens
 
 
 @dataclass(slots=True)
@@ -155,7 +156,7 @@ class EagleDraftLoopStep(_DraftStep):
             meta = (self.backend.capture_metadata(fb, bs, 1) if graph else self.backend.prepare(fb, bs))
             h = model(ids, h, pos.clamp(max=self.max_position), _attend(self.backend, fb, meta, self.kv),
                       from_target=False)
-            ids = _to_target(model, model.compute_logits(h).argmax(-1))
+            ids = _to_target(model, greedy_tokens(model.compute_logits(h)))
             tokens.append(ids)
         return torch.stack(tokens, dim=1)
 
@@ -219,4 +220,4 @@ class EagleExtendStep(_DraftStep):
                        _attend(self.backend, fb, meta, self.kv), from_target=True)
         h_last = h[torch.arange(n, device=h.device) * w + b.last]
         logits = self.model.compute_logits(h_last)
-        return DraftStateRows(h_last, logits, _to_target(self.model, logits.argmax(-1)))
+        return DraftStateRows(h_last, logits, _to_target(self.model, greedy_tokens(logits)))
