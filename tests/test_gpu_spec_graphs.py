@@ -11,15 +11,17 @@ import torch
 from conftest import CHAT_PROMPTS, smollm2_gguf_or_skip
 from spec_utils import spec_llm
 from tercel import LLM, SamplingParams
+from tercel.spec import DEFAULT_DFLASH_DRAFT, DEFAULT_EAGLE3_DRAFT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-ALGOS = {
+E3, DF = dict(speculative_draft_model_path=DEFAULT_EAGLE3_DRAFT), dict(speculative_draft_model_path=DEFAULT_DFLASH_DRAFT)
+ALGOS = {  # the bundled drafts, named: the device machine's GGUF is not the installed default model
     "ngram": dict(speculative_algorithm="NGRAM"),
-    "eagle3-chain": dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1),
-    "eagle3-tree": dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_num_draft_tokens=16),
-    "dflash": dict(speculative_algorithm="DFLASH"),
-    "ddtree": dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16),
+    "eagle3-chain": dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1, **E3),
+    "eagle3-tree": dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_num_draft_tokens=16, **E3),
+    "dflash": dict(speculative_algorithm="DFLASH", **DF),
+    "ddtree": dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16, **DF),
 }
 GRAPH_BS = dict(cuda_graph_max_bs=32, kv_cache_memory=2 << 30)
 
@@ -80,11 +82,13 @@ def test_fp32_speculative_equals_plain(fp32, chats, name):
     assert all(margin < 1e-3 for *_, margin in report), report  # only near-ties may part
 
 
-@pytest.mark.parametrize("kw", [dict(speculative_algorithm="DFLASH", speculative_num_draft_tokens=n)
+@pytest.mark.parametrize("kw", [dict(speculative_algorithm="DFLASH", speculative_num_draft_tokens=n, **DF)
                                 for n in (2, 8, 9, 16, 32, 64)]
-                         + [dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=n) for n in (2, 8, 9, 16, 32, 64)]
-                         + [dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_num_draft_tokens=n)
-                            for n in (2, 8, 9, 16)], ids=lambda kw: "-".join(str(v) for v in kw.values()))
+                         + [dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=n, **DF)
+                            for n in (2, 8, 9, 16, 32, 64)]
+                         + [dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_num_draft_tokens=n,
+                                 **E3) for n in (2, 8, 9, 16)],
+                         ids=lambda kw: "-".join(str(v) for k, v in kw.items() if k != "speculative_draft_model_path"))
 def test_every_block_size_and_budget_runs(bf16, chats, kw):
     llm = spec_llm(bf16, cuda_graph_max_bs=4, kv_cache_memory=2 << 30, **kw)
     outs = _tokens(llm, chats[:4], 32)
