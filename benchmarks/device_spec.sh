@@ -16,7 +16,8 @@ for step in ${STEPS:-speed}; do
     speed) python3 benchmarks/spec_speed.py --model $M --device cuda --new-tokens ${NEW:-128} \
              --batch-sizes ${BS:-1,16} --configs ${CONFIGS:-plain,ngram,eagle3-chain-5,eagle3-tree-topk4-8,dflash-16,ddtree-16} \
              --out $OUT/spec_speed_smollm2_h200.json 2>&1 | grep -v Warn ;;
-    probe) python3 benchmarks/verify_probe.py --out $OUT/verify_probe_h200.json 2>&1 | tail -40 ;;
+    probe) TERCEL_SMALL_M=${SMALL_M:-0} python3 benchmarks/verify_probe.py --tokens ${TOKENS:-1,8,16} \
+             --out $OUT/verify_probe_h200.json 2>&1 | grep -v Warn | tail -${PROBE_TAIL:-20} ;;
     gputests) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x ${TESTS:-tests/test_gpu_spec_graphs.py} 2>&1 \
              | tee $OUT/gpu_tests.log | tail -25 ;;
   esac

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("TERCEL_SMALL_M", "1")  # the probe compares the fused small-M path (opt-in) with unfused
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 
 COPY_BW = 4.27e12  # H200 device-to-device copy, bytes/s (shared/GPU.md)

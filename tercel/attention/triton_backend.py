@@ -23,6 +23,7 @@ from .base import AttentionBackend
 
 
 PREFETCH_MAX_BATCH = 8
+ROWS_MAX_QUERIES = 64  # causal batches of up to this many queries per request attend as decode rows
 
 
 @dataclass(slots=True)
@@ -37,6 +38,7 @@ class TritonAttentionMetadata:
     max_q_len: int = 0
     masks: torch.Tensor | None = None  # flat uint8, request b's [q, q] mask at mask_offsets[b] (-1: causal)
     mask_offsets: torch.Tensor | None = None
+    rows: bool = False  # decode kernel over the rows of a causal verify: K/V stored first (rope_store)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -60,9 +62,24 @@ class TritonAttentionBackend(AttentionBackend):
         splits = decode_splits(batch.block_tables.shape[0], self.num_kv_heads, self.num_sms, decode_max_splits())
         return TritonAttentionMetadata(True, batch.block_tables, batch.seq_lens, block_size, splits)
 
+    def _rows_meta(self, batch: ForwardBatch, block_size: int, t: int) -> TritonAttentionMetadata:
+        """A causal batch of t queries per request as b * t decode rows: row j of a request sees its first
+        seq_len - t + j + 1 keys. The split-KV decode kernel then spreads each row's keys over many programs,
+        where the extend kernel gives one program per (request, head) the whole context (latency-bound
+        at small batch)."""
+        b = batch.block_tables.shape[0]
+        tables = batch.block_tables.repeat_interleave(t, dim=0)
+        step = torch.arange(t, device=batch.seq_lens.device)
+        seq = (batch.seq_lens[:, None] - (t - 1) + step[None, :]).reshape(-1)
+        splits = decode_splits(b * t, self.num_kv_heads, self.num_sms, decode_max_splits())
+        return TritonAttentionMetadata(True, tables, seq, block_size, splits, rows=True)
+
     def prepare(self, batch: ForwardBatch, block_size: int) -> TritonAttentionMetadata:
         if batch.is_decode:
             return self._decode_meta(batch, block_size)
+        t = batch.query_lens[0]
+        if batch.custom_masks is None and 1 < t <= ROWS_MAX_QUERIES and all(q == t for q in batch.query_lens):
+            return self._rows_meta(batch, block_size, t)
         dev = batch.input_ids.device
         starts, offsets, flat, off, start = [], [], [], 0, 0
         for i, q in enumerate(batch.query_lens):
@@ -87,6 +104,8 @@ class TritonAttentionBackend(AttentionBackend):
         t = tokens_per_request
         if t == 1 and batch.custom_masks is None:
             return self._decode_meta(batch, block_size)
+        if batch.custom_masks is None and t <= ROWS_MAX_QUERIES:
+            return self._rows_meta(batch, block_size, t)
         b = batch.block_tables.shape[0]
         dev = batch.block_tables.device
         idx = torch.arange(b, device=dev)
@@ -109,7 +128,8 @@ class TritonAttentionBackend(AttentionBackend):
         """prefetch: the weight that reads this output (o_proj), pulled into L2 while decode attention runs."""
         # weight-bound batches only: a large batch's attention has its own bytes to move
         prefetch = prefetch if meta.decode and qk.shape[0] <= PREFETCH_MAX_BATCH and l2_prefetch_enabled() else None
-        mode = decode_attention_mode() if meta.decode and fused_decode_enabled() else "split"
+        # rows of one request read each other's K/V: all of it stored (rope_store) before any row attends
+        mode = decode_attention_mode() if meta.decode and not meta.rows and fused_decode_enabled() else "split"
         if mode == "one" and meta.num_splits > 1 and self.split_counters(qk.shape[0], qk.device) is None:
             mode = "rope"
         if mode != "split":

@@ -12,6 +12,7 @@ Switches for side-by-side measurements (benchmarks/decode_variants.py):
   TERCEL_L2_PREFETCH=1    decode attention pulls the o_proj weight into L2 while it runs (measured slower
                           on the H200: off by default)
   TERCEL_DECODE_MAX_SPLITS  most split-KV programs per (request, KV head) in decode attention (default 16)
+  TERCEL_SMALL_M=1        tune and use the fused small-M GEMMs for 2..32-row forwards (off by default)
   TERCEL_PDL              programmatic dependent launch for the decode GEMVs and attention: late (default: the
                           next kernel may launch once every program has finished its main loop), early (alias 1:
                           once every program has passed its wait; measured slower on the H200), 0 (off),
@@ -55,6 +56,13 @@ def fused_decode_enabled() -> bool:
     """Decode and small-M forwards (up to SMALL_M_ROWS rows) fold RMSNorm, SwiGLU and the residual adds
     into the GEMVs (models/llama.py)."""
     return os.environ.get("TERCEL_FUSED_DECODE", "1") != "0"
+
+
+def small_m_enabled() -> bool:
+    """TERCEL_SMALL_M=1: tune and use the fused small-M GEMMs for forwards of 2..SMALL_M_ROWS rows (verify,
+    small batches). Off by default: benchmarks/results/verify_probe_h200.json measured the tuned choices
+    slower per verify step than the unfused kernels on the H200."""
+    return os.environ.get("TERCEL_SMALL_M", "0") == "1"
 
 
 SMALL_M_ROWS = 32  # the most rows of a fused small-M forward (kernels.gemm_small): 16 drafts x 2 requests

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .fused import rms_norm, silu_mul
+from . import small_m_enabled
 from .gemv import GemvConfig, gemv
 
 log = logging.getLogger(__name__)
@@ -258,12 +259,18 @@ def tune_model(model: torch.nn.Module) -> list[GemvChoice]:
         choices += _tune_fused(model)
     except Exception as e:  # never fatal: the unfused decode stays
         log.warning("fused batch-1 GEMV tuning failed (%s); decode stays unfused", e)
+    if not small_m_enabled():  # opt-in: on the H200 the kept configs made whole verify steps slower
+        return _log_choices(choices)
     start = time.perf_counter()
     try:
         choices += _tune_small_m(model)
     except Exception as e:  # never fatal: forwards of several rows stay unfused
         log.warning("small-M GEMM tuning failed (%s); verify and small batches stay unfused", e)
     log.info("small-M GEMM tuning took %.1f s", time.perf_counter() - start)
+    return _log_choices(choices)
+
+
+def _log_choices(choices: list[GemvChoice]) -> list[GemvChoice]:
     for c in choices:
         log.info("linear %s %s x%d layers, %d row(s): unfused %.1f us, GEMV %s us -> %s", c.role, c.shape, c.layers,
                  c.rows, c.cublas_us, c.gemv_us, c.config or "unfused")
