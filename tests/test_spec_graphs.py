@@ -69,12 +69,12 @@ def test_batched_device_acceptance_equals_the_host_walk(chains):
 @pytest.fixture(scope="module")
 def prompts(smol_llm, smol_chat_ids):
     tok = smol_llm.tokenizer
-    return smol_chat_ids[:3] + [tok.encode("def fibonacci(n):"), tok.encode("The quick brown fox. " * 6)]
+    return smol_chat_ids[:2] + [tok.encode("The quick brown fox. " * 6)]
 
 
 @pytest.fixture(scope="module")
 def plain(smol_llm, prompts):
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     return [o.outputs[0].token_ids for o in smol_llm.generate(prompts, params)]
 
 
@@ -87,11 +87,11 @@ def _replays(llm) -> int:
 
 @pytest.mark.parametrize("name", list(ALGOS))
 def test_graph_mode_equals_eager_and_plain(smol_llm, prompts, plain, name):
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    graph = spec_llm(smol_llm, **GRAPHS, **ALGOS[name])
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    graph = spec_llm(smol_llm, **GRAPHS, cuda_graph_max_bs=4, **ALGOS[name])
     eager = spec_llm(smol_llm, max_model_len=320, **ALGOS[name])
     assert eager.engine.spec.verify_runner is None and graph.engine.spec.verify_runner is not None
-    for batch in (prompts, prompts[:1]):  # batch 5, then 1
+    for batch in (prompts, prompts[:1]):  # batch 3, then 1
         g = [o.outputs[0].token_ids for o in graph.generate(batch, params)]
         e = [o.outputs[0].token_ids for o in eager.generate(batch, params)]
         assert g == e == plain[:len(batch)]
@@ -110,9 +110,9 @@ def test_graph_mode_equals_eager_and_plain(smol_llm, prompts, plain, name):
 ])
 def test_every_width_runs_under_graphs(smol_llm, prompts, plain, name, kw):
     llm = spec_llm(smol_llm, **GRAPHS, cuda_graph_max_bs=2, **kw)
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], params)]
-    assert outs == [p[:12] for p in plain[:2]]
+    assert outs == [p[:8] for p in plain[:2]]
     assert _replays(llm) > 0
 
 
@@ -121,7 +121,7 @@ def test_batches_shrink_with_cancellations_under_graphs(smol_llm, prompts, plain
     every KV block comes back; nothing ran eagerly that a graph could serve."""
     llm = spec_llm(smol_llm, **GRAPHS, **ALGOS["eagle3-chain"], cuda_graph_max_bs=32)
     eng = llm.engine
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     ids = [eng.add_request(prompts[i % len(prompts)], params) for i in range(32)]
     done: dict[str, list[int]] = {}
     steps = 0
