@@ -34,7 +34,7 @@ import torch
 
 from .config import ConfigError, EngineConfig
 from .forward_batch import ForwardBatch, ModelOutput
-from .kv import KVCacheSpec, PagedKVCache, blocks_for_budget
+from .kv import KVCacheSpec, PagedKVCache, blocks_for_budget, slot_of
 from .loader.model_loader import LoadedModel, load_model, parse_dtype
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request, RequestStatus
@@ -371,7 +371,7 @@ class LLMEngine:
             for r in reqs:
                 p = r.num_computed_tokens + ahead + step
                 positions.append(p)
-                slots.append(r.block_table[p // bs] * bs + p % bs)
+                slots.append(slot_of(r.block_table, p, bs))
                 seq_lens.append(p + 1)
         width = max(len(r.block_table) for r in reqs)
         tables = [b for r in reqs for b in r.block_table + [0] * (width - len(r.block_table))]
@@ -476,7 +476,7 @@ class LLMEngine:
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
             ids.extend(r.token_slice(start, end))
             positions.extend(range(start, end))
-            slots.extend(r.block_table[p // bs] * bs + p % bs for p in range(start, end))
+            slots.extend(slot_of(r.block_table, p, bs) for p in range(start, end))
             seq_lens.append(end)
             if s.completes_sequence:
                 logits_idx.append(len(ids) - 1)

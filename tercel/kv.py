@@ -5,6 +5,7 @@ so they can never touch a live request's KV.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,11 @@ class PagedKVCache:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_layers[layer].index_copy_(0, slots, k)
         self.v_layers[layer].index_copy_(0, slots, v)
+
+
+def slot_of(block_table: Sequence[int], pos: int, block_size: int) -> int:
+    """The KV slot of position pos for a request with this block table (the one slot formula)."""
+    return block_table[pos // block_size] * block_size + pos % block_size
 
 
 def blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:

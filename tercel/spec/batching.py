@@ -9,14 +9,11 @@ from dataclasses import dataclass
 import torch
 
 from ..forward_batch import CaptureHiddenMode, ForwardBatch
+from ..kv import slot_of
 from ..request import Request
 from .tree import DraftTree
 
 Upload = Callable[[Sequence[Sequence[int]]], list[torch.Tensor]]
-
-
-def slot_of(block_table: Sequence[int], pos: int, block_size: int) -> int:
-    return block_table[pos // block_size] * block_size + pos % block_size
 
 
 def blocks_covering(end: int, block_size: int) -> int:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..forward_batch import CaptureHiddenMode
-from ..kv import PagedKVCache
+from ..kv import PagedKVCache, slot_of
 from ..models.dflash import DFlashDraftModel, load_dflash
 from ..request import Request
 from ..sampling import filter_logits, sample_probs
@@ -108,7 +108,7 @@ class DFlashDrafter(Drafter):
 
     def _slots(self, r: Request, positions: range) -> list[int]:
         bs = self.engine.kv.block_size
-        return [r.block_table[p // bs] * bs + p % bs for p in positions]
+        return [slot_of(r.block_table, p, bs) for p in positions]
 
     def _inject(self, rows: list[int], reqs_positions: list[tuple[Request, range]], hidden: torch.Tensor) -> None:
         positions = [p for _, rng in reqs_positions for p in rng]

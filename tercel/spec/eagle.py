@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from ..forward_batch import CaptureHiddenMode
-from ..kv import PagedKVCache
+from ..kv import PagedKVCache, slot_of
 from ..models.eagle3 import EagleDraftModel, load_eagle_draft
 from ..request import Request
 from ..sampling import filter_logits, sample_probs
 from ..graphs.runner import CudaGraphRunner, GraphConfig
-from .batching import blocks_covering, padded_tables, slot_of
+from .batching import blocks_covering, padded_tables
 from .drafter import DeviceChains, Drafter, ExtendedChunk
 from .eagle_steps import DraftExtendBatch, DraftLoopBatch, EagleDraftLoopStep, EagleExtendStep
 from .tree import DraftTree, select_tree_nodes
@@ -159,8 +159,7 @@ class EagleDrafter(Drafter):
         return torch.where(valid, slots, torch.zeros_like(slots)), valid
 
     def _slot(self, r: Request, pos: int) -> int:
-        bs = self.kv.block_size
-        return r.block_table[pos // bs] * bs + pos % bs
+        return slot_of(r.block_table, pos, self.kv.block_size)
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.model.draft_to_target[draft_ids] if self.model.maps_vocab else draft_ids

@@ -21,13 +21,14 @@ import torch
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from ..graphs.runner import CudaGraphRunner, GraphConfig
 from ..graphs.steps import ModelStep
+from ..kv import slot_of
 from ..outputs import RequestOutput
 from ..request import Request
 from ..scheduler import ScheduledRequest
 from ..sampling import Sampler, greedy_tokens
-from .batching import slot_of, verify_batch
-from .profile import StepProfile
+from .batching import verify_batch
 from .drafter import DeviceChains, Drafter, ExtendedChunk
+from .profile import StepProfile
 from .tree import DraftTree
 from .verify import Accepted, accept_greedy, accept_greedy_batched, accept_sampling, context_free
 
