@@ -156,7 +156,8 @@ class SpecWorker:
                 width = 1
         # 2. verify: every request `width` rows (trees padded), one target forward (a graph replay when captured)
         prof.mark("verify")
-        masks = self.drafter.uses_trees and width > 1
+        # tree masks when the drafter branches (or a proposal does: a chain-only verify graph then falls back)
+        masks = width > 1 and (self.drafter.uses_trees or any(not t.is_chain for t in trees or ()))
         batch, layout = verify_batch(reqs, trees, device_tokens, width, eng.kv.block_size,
                                      self.drafter.capture_hidden_mode, masks, eng.upload, eng.device)
         out = self._verify(batch)
