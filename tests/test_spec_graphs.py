@@ -142,3 +142,15 @@ def test_batches_shrink_with_cancellations_under_graphs(smol_llm, prompts, plain
             assert done[rid] == plain[i % len(prompts)][:len(done[rid])]
     assert eng.stats().kv_blocks_used == 0
     assert eng.spec.verify_runner.stats.eager == 0 and eng.spec.drafter.loop_runner.stats.replays > 0
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_eagle_chain_runs_into_max_model_len(smol_llm, prompts, plain, graphs):
+    """Near max_model_len the device chain (verified whole) gives way to trimmed trees: no position
+    passes the limit, the output is plain's, and it ends for length there."""
+    p = prompts[2]
+    kw = dict(GRAPHS, cuda_graph_max_bs=2) if graphs else {}
+    llm = spec_llm(smol_llm, **{**kw, "max_model_len": len(p) + 11}, **ALGOS["eagle3-chain"])
+    out = llm.generate([p], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))[0].outputs[0]
+    assert out.finish_reason == "length" and len(p) + len(out.token_ids) == len(p) + 11
+    assert out.token_ids == plain[2][:11]

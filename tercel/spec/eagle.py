@@ -255,7 +255,9 @@ class EagleDrafter(Drafter):
 
     # ---- the draft loop ------------------------------------------------------------------
     def propose(self, reqs: list[Request]) -> list[DraftTree] | DeviceChains:
-        if self.topk == 1 and all(r.params.greedy for r in reqs):
+        # device chains are verified whole: only when no node would pass max_model_len (else trees, trimmed)
+        room = self.engine.config.max_model_len - self.num_draft_tokens
+        if self.topk == 1 and all(r.params.greedy and r.num_computed_tokens <= room for r in reqs):
             return self._propose_on_device(reqs)
         dev = self.engine.device
         b, k, steps = len(reqs), self.topk, self.num_steps
