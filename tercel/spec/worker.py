@@ -190,8 +190,10 @@ class SpecWorker:
         alive: list[int] = []
         for i, (r, t, acc, off) in enumerate(zip(reqs, trees, accepted, offsets)):
             k = len(acc.nodes)
-            r.metrics.record_verify(len(t) - 1, k)
-            self.stats.record(len(t) - 1, k)
+            # counted as if the tree stopped at max_tokens: drafts past it are verified but never emitted
+            room = max(1, r.params.max_tokens - len(r.output_token_ids))
+            r.metrics.record_verify(min(len(t), room) - 1, min(k, room - 1))
+            self.stats.record(min(len(t), room) - 1, min(k, room - 1))
             emit = [t.tokens[j] for j in acc.nodes] + [acc.bonus]
             rows = [0] + acc.nodes  # row whose logits produced each emitted token
             for tok, row in zip(emit, rows):
