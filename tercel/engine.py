@@ -318,6 +318,10 @@ class LLMEngine:
                     return outputs
                 # nothing to report and nothing in flight (that window's requests stopped or were aborted, or
                 # they want FINAL_ONLY outputs and the batch changed): schedule afresh now
+            if self.spec is not None and self.spec.inflight:  # a chained speculative step (spec/chain_loop.py)
+                outputs = self.spec.advance()
+                if outputs or self.spec.inflight:
+                    return outputs
             num_steps = self._window_steps()
             if num_steps >= 1:
                 window = self.scheduler.schedule_decode_window(num_steps)

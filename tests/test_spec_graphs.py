@@ -81,7 +81,7 @@ def plain(smol_llm, prompts):
 def _replays(llm) -> int:
     spec = llm.engine.spec
     runners = [spec.verify_runner, getattr(spec.drafter, "loop_runner", None),
-               getattr(spec.drafter, "extend_runner", None)]
+               getattr(spec.drafter, "extend_runner", None), spec.chain.runner if spec.chain else None]
     return sum(r.stats.replays for r in runners if r is not None)
 
 
@@ -141,7 +141,7 @@ def test_batches_shrink_with_cancellations_under_graphs(smol_llm, prompts, plain
         if rid in done:
             assert done[rid] == plain[i % len(prompts)][:len(done[rid])]
     assert eng.stats().kv_blocks_used == 0
-    assert eng.spec.verify_runner.stats.eager == 0 and eng.spec.drafter.loop_runner.stats.replays > 0
+    assert eng.spec.verify_runner.stats.eager == 0 and eng.spec.chain.runner.stats.replays > 0
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
@@ -154,3 +154,22 @@ def test_eagle_chain_runs_into_max_model_len(smol_llm, prompts, plain, graphs):
     out = llm.generate([p], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))[0].outputs[0]
     assert out.finish_reason == "length" and len(p) + len(out.token_ids) == len(p) + 11
     assert out.token_ids == plain[2][:11]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_chained_eagle_steps_equal_plain(smol_llm, prompts, plain, overlap):
+    """Greedy EAGLE chains as one chained step (draft, verify, accept, draft_extend; the state carried in the
+    graph's buffers), with the host one step behind under the overlap schedule: requests stopping at
+    different lengths get plain's tokens, the discarded step of a stopped request leaks no KV block."""
+    llm = spec_llm(smol_llm, **GRAPHS, cuda_graph_max_bs=4, disable_overlap_schedule=not overlap,
+                   **ALGOS["eagle3-chain"])
+    chain = llm.engine.spec.chain
+    assert chain is not None
+    lengths = [16, 5, 11]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outs == [p[:n] for p, n in zip(plain, lengths)]
+    assert chain.runner.stats.replays > 0 and chain.inflight is None
+    assert llm.engine.stats().kv_blocks_used == 0
+    # a batch of one after the batch of three: the chain restarts from the request's own draft state
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params[0])] == [plain[0]]

@@ -264,6 +264,18 @@ class CudaGraphRunner:
         self.stats.replays += 1
         return self.step.live_outputs(captured.outputs, n, mode)
 
+    def replay_unstaged(self, num_live: int) -> Any:
+        """Replay the graph of num_live's bucket on whatever its static buffers hold now (a step kind that
+        writes its next inputs back into them chains replays with nothing staged); None when that bucket
+        has no graph."""
+        bucket = self.bucket_for(num_live)
+        captured = self.graphs.get(bucket) if bucket is not None else None
+        if captured is None:
+            return None
+        captured.graph.replay()
+        self.stats.replays += 1
+        return self.step.live_outputs(captured.outputs, num_live, captured.mode)
+
     def stage_inputs(self, batch: ForwardBatch, captured: CapturedGraph, bucket: int) -> None:
         """Everything a replay does on the host before graph.replay(): copy the live inputs into the
         static buffers (grouped), pad to the bucket, refresh host-only fields and backend metadata."""

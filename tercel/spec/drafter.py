@@ -49,6 +49,11 @@ class Drafter:
     def init_graphs(self, config: "GraphConfig", max_blocks: int) -> None:
         """Capture the drafter's own steps (draft loop, draft_extend) for every bucket; default: none."""
 
+    def chain_step(self, max_blocks: int):
+        """A step kind that runs draft, verify, accept and draft_extend as one chained graph step
+        (spec/chain.py), or None: this drafter has none."""
+        return None
+
     def ready(self, req: Request) -> bool:
         """Can this decoding request be drafted for now (its draft state is current)?"""
         return True

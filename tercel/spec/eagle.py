@@ -238,6 +238,13 @@ class EagleDrafter(Drafter):
             self.loop_runner = CudaGraphRunner(self.loop_step, config, self.engine.device)
             self.loop_runner.capture_all()
 
+    def chain_step(self, max_blocks: int):
+        if self.topk != 1:
+            return None
+        from .chain import EagleChainStep
+
+        return EagleChainStep(self.engine.model, self.engine.kv, self.loop_step, self.extend_step, max_blocks)
+
     @staticmethod
     def _run(runner: CudaGraphRunner | None, step, batch):
         return runner.run(batch) if runner is not None else step.eager(batch)

@@ -13,6 +13,7 @@ KV bookkeeping for one request whose root (last sampled token) sits at position 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,7 @@ from .verify import Accepted, accept_greedy, accept_greedy_batched, accept_sampl
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine
+    from .chain_loop import ChainLoop
 
 
 @dataclass(slots=True)
@@ -68,6 +70,7 @@ class SpecWorker:
         self.num_draft_tokens = num_draft_tokens  # nodes per tree, root included
         self.stats = SpecStats()
         self.verify_runner: CudaGraphRunner | None = None  # init_graphs: captured verify steps
+        self.chain: "ChainLoop | None" = None  # init_graphs: greedy EAGLE chains as one chained graph step
         self.profile = StepProfile(engine.device)  # per-phase times, when a benchmark turns it on
 
     @property
@@ -129,6 +132,22 @@ class SpecWorker:
         with torch.inference_mode():
             self.verify_runner.capture_all(self.drafter.capture_hidden_mode)
             self.drafter.init_graphs(config, max_blocks)
+            # TERCEL_SPEC_CHAIN=0: separate draft / verify / extend graphs only (side-by-side measurements)
+            chain_step = self.drafter.chain_step(max_blocks) if os.environ.get("TERCEL_SPEC_CHAIN", "1") != "0" else None
+            if chain_step is not None:
+                from .chain_loop import ChainLoop
+
+                runner = CudaGraphRunner(chain_step, config, eng.device)
+                runner.capture_all()
+                self.chain = ChainLoop(self, runner)
+
+    @property
+    def inflight(self) -> bool:
+        """A chained step is on the device and its tokens are not read yet (engine.step calls advance)."""
+        return self.chain is not None and self.chain.inflight is not None
+
+    def advance(self) -> list[RequestOutput]:
+        return self.chain.advance()
 
     def _verify(self, batch: ForwardBatch) -> ModelOutput:
         if batch.query_lens[0] == 1 and self.drafter.capture_hidden_mode == CaptureHiddenMode.NULL:
@@ -139,6 +158,11 @@ class SpecWorker:
 
     # ---- the spec step -------------------------------------------------------------------
     def _spec_step(self, reqs: list[Request]) -> list[RequestOutput]:
+        if self.chain is not None and self.chain.eligible(reqs):
+            self.profile.mark("chain")
+            outputs = self.chain.start(reqs)
+            self.profile.end_step()
+            return outputs
         eng = self.engine
         prof = self.profile
         prof.mark("draft")

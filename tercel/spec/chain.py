@@ -1,0 +1,139 @@
+"""The whole greedy EAGLE chain step as one step kind: draft -> verify -> accept -> draft_extend on the
+device, with the request state carried from one replay to the next in the graph's own buffers.
+
+Per request the state is (root token, the draft's first proposal and hidden state, base = the root's
+position). One replay drafts num_steps tokens (EagleDraftLoopStep), verifies root + chain through the
+target (one forward of W = num_steps + 1 rows, FULL hidden capture), accepts the longest matching
+prefix plus the bonus token (accept_greedy_batched), runs draft_extend over the root and the accepted
+drafts (EagleExtendStep) and writes the next state back into its input buffers. So consecutive steps of
+an unchanged batch replay the graph with nothing staged from the host: the host only reads the accepted
+tokens, and under the overlap schedule it does that for step N while step N + 1 runs (worker.py).
+
+KV: verify writes the target's KV at base .. base + W - 1, a chain keeps the first k + 1 (no copy);
+draft_extend writes the draft's KV at base .. base + k and sends the other rows to the dummy slot.
+Padded rows (bucket > live) have base 0 and all-zero block tables: they draft, verify and extend in the
+dummy block, and their base is reset every step so their positions never grow.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..forward_batch import CaptureHiddenMode, ForwardBatch
+from ..graphs.buffers import BufferSpec, Pad, Per
+from ..graphs.runner import StepKind
+from ..kv import PagedKVCache
+from ..sampling import greedy_tokens
+from .eagle_steps import DraftExtendBatch, DraftLoopBatch, EagleDraftLoopStep, EagleExtendStep
+from .verify import accept_greedy_batched
+
+
+@dataclass(slots=True)
+class ChainBatch:
+    """The state a chain step starts from, for B requests (updated in place by the step)."""
+    roots: torch.Tensor  # [B] the last sampled token
+    first: torch.Tensor  # [B] the draft's top-1 after the root (target id)
+    hidden: torch.Tensor  # [B, H] the draft's pre-norm hidden state at position base - 1
+    base: torch.Tensor  # [B] the root's position
+    block_tables: torch.Tensor  # [B, width] zero-padded; cover base + W (and, chained, the next step's W)
+    live: torch.Tensor  # [B] 1 for a real request (padding rows: 0)
+    capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
+
+    @property
+    def num_requests(self) -> int:
+        return self.roots.shape[0]
+
+
+@dataclass(slots=True)
+class ChainOutputs:
+    tokens: torch.Tensor  # [B, W] root + drafted chain (target ids)
+    accepted: torch.Tensor  # [B] drafts accepted (k)
+    bonus: torch.Tensor  # [B] the target's token after the accepted ones
+    logits: torch.Tensor  # [B, Vd] the new state: the draft's logits (float32),
+    first: torch.Tensor  # [B] their top-1 (target id)
+    hidden: torch.Tensor  # [B, H] and the draft's hidden state
+
+
+class EagleChainStep(StepKind):
+    name = "spec_chain"
+    tokens_per_request = 1  # every buffer is per request
+
+    def __init__(self, target: torch.nn.Module, kv: PagedKVCache, loop: EagleDraftLoopStep, extend: EagleExtendStep,
+                 max_blocks: int) -> None:
+        self.target, self.kv = target, kv
+        self.loop, self.extend = loop, extend
+        self.width = extend.tokens_per_request  # W = num_steps + 1
+        self.max_blocks = max_blocks
+        if loop.num_steps + 1 != self.width:
+            raise ValueError(f"chain step: draft loop of {loop.num_steps} steps but extend width {self.width}.")
+
+    def buffer_specs(self) -> list[BufferSpec]:
+        hidden = self.loop.model.hidden_size
+        return [
+            BufferSpec("roots", Per.REQUEST, torch.long, Pad.ZERO),
+            BufferSpec("first", Per.REQUEST, torch.long, Pad.ZERO),
+            BufferSpec("hidden", Per.REQUEST, self.loop.model.fc.weight.dtype, Pad.ZERO, shape=(hidden,)),
+            BufferSpec("base", Per.REQUEST, torch.long, Pad.ZERO),
+            BufferSpec("block_tables", Per.REQUEST, torch.long, Pad.ZERO, shape=(self.max_blocks,)),
+            BufferSpec("live", Per.REQUEST, torch.long, Pad.ZERO),
+        ]
+
+    def unsupported(self, batch: ChainBatch) -> str | None:
+        if batch.block_tables.shape[1] > self.max_blocks:
+            return f"block table of width {batch.block_tables.shape[1]} exceeds the captured {self.max_blocks}"
+        return None
+
+    def live_inputs(self, batch: ChainBatch) -> dict[str, torch.Tensor]:
+        return {"roots": batch.roots, "first": batch.first, "hidden": batch.hidden, "base": batch.base,
+                "block_tables": batch.block_tables, "live": batch.live}
+
+    def static_batch(self, views: dict[str, torch.Tensor], num_requests: int, mode: CaptureHiddenMode) -> ChainBatch:
+        return ChainBatch(views["roots"], views["first"], views["hidden"], views["base"], views["block_tables"],
+                          views["live"])
+
+    def forward(self, static: ChainBatch) -> ChainOutputs:
+        return self._step(static)
+
+    def eager(self, batch: ChainBatch) -> ChainOutputs:
+        return self._step(batch)
+
+    def live_outputs(self, out: ChainOutputs, num_live: int, mode: CaptureHiddenMode) -> ChainOutputs:
+        return ChainOutputs(*(t[:num_live] for t in (out.tokens, out.accepted, out.bonus, out.logits, out.first,
+                                                     out.hidden)))
+
+    def _step(self, s: ChainBatch) -> ChainOutputs:
+        n, w, bs = s.roots.shape[0], self.width, self.kv.block_size
+        dev = s.roots.device
+        # draft: the chain, root first [B, W]
+        tokens = self.loop._loop(DraftLoopBatch(s.roots, s.first, s.hidden, s.base, s.block_tables, [0] * n),
+                                 graph=True)
+        # verify: W rows per request at base .. base + W - 1, every row's logits and aux hidden states
+        j = torch.arange(w, device=dev)
+        pos = s.base[:, None] + j
+        rows = torch.arange(n, device=dev)[:, None]
+        slots = s.block_tables[rows, pos // bs] * bs + pos % bs
+        fb = ForwardBatch(input_ids=tokens.reshape(-1), positions=pos.reshape(-1), out_cache_loc=slots.reshape(-1),
+                          seq_lens=s.base + w, block_tables=s.block_tables,
+                          logits_indices=torch.arange(n * w, device=dev), query_lens=[w] * n, seq_lens_cpu=[w] * n,
+                          capture_hidden_mode=CaptureHiddenMode.FULL)
+        meta = self.target.attn_backend.capture_metadata(fb, bs, w)
+        out = self.target(fb, self.kv, attn_meta=meta)
+        # accept: the longest prefix of drafts the target agrees with, then its own next token
+        argmax = greedy_tokens(out.logits).view(n, w)
+        k, bonus = accept_greedy_batched(argmax, tokens, torch.full((n,), w, device=dev))
+        # draft_extend over the root and the k accepted drafts: row j reads the token at base + j + 1
+        kk = k[:, None]
+        shifted = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
+        ids = torch.where(j < kk, shifted, torch.where(j == kk, bonus[:, None], torch.zeros_like(shifted)))
+        ext_slots = torch.where(j <= kk, slots, torch.zeros_like(slots))
+        ext = self.extend._extend(DraftExtendBatch(ids.reshape(-1), out.hidden_states, pos.reshape(-1),
+                                                   ext_slots.reshape(-1), s.base + w, s.block_tables, k, [w] * n),
+                                  graph=True)
+        # the next step's state, in place: padding rows keep base 0
+        live = s.live.bool()
+        s.roots.copy_(torch.where(live, bonus, s.roots))
+        s.first.copy_(ext.first)
+        s.hidden.copy_(ext.hidden)
+        s.base.copy_(torch.where(live, s.base + k + 1, torch.zeros_like(s.base)))
+        return ChainOutputs(tokens, k, bonus, ext.logits, ext.first, ext.hidden)

@@ -1,0 +1,158 @@
+"""The host side of chained EAGLE chain steps (chain.py): start a chain from the requests' draft states,
+keep replaying it while the batch stays the same, read each step's accepted tokens, end it.
+
+Overlap schedule (on by default on a GPU, like plain decoding's): step N + 1 is launched before the host
+reads step N's tokens, so the host's work (stop checks, detokenization, outputs) runs while the GPU
+computes. The host's view then lags one step: when it launches N + 1 it knows where step N started
+(num_computed_tokens), and N + 1 ends at most 2 W positions past that, so the KV blocks are reserved
+that far ahead (Scheduler.schedule_decode_window with `ahead` = W) and nothing is freed while a chain
+runs. A request that stops inside step N had step N + 1 run for it too: that work is discarded, and the
+batch change ends the chain after N + 1 (the survivors' draft states are written back to them).
+
+Only batches whose every token the device can choose qualify: greedy, context-free (no penalties or
+min_tokens), no logprobs, and 2 W positions of room under max_model_len.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..graphs.runner import CudaGraphRunner
+from ..outputs import RequestOutput
+from ..request import Request
+from .batching import padded_tables
+from .chain import ChainBatch, ChainOutputs
+from .verify import context_free
+
+if TYPE_CHECKING:
+    from .worker import SpecWorker
+
+
+@dataclass(slots=True)
+class InflightChain:
+    reqs: list[Request]
+    out: ChainOutputs  # views of the graph's outputs: valid until its next replay
+    host: torch.Tensor  # [B, W + 2] tokens, accepted count, bonus: on their way to the host
+    ready: torch.cuda.Event | None
+    table_lens: list[int]  # block-table lengths in the graph's buffers
+
+
+class ChainLoop:
+    def __init__(self, worker: "SpecWorker", runner: CudaGraphRunner) -> None:
+        self.worker = worker
+        self.engine = worker.engine
+        self.runner = runner
+        self.width = worker.num_draft_tokens
+        self.inflight: InflightChain | None = None
+        self._stream = torch.cuda.Stream(self.engine.device) if self.engine.device.type == "cuda" else None
+
+    def eligible(self, reqs: list[Request]) -> bool:
+        limit = self.engine.config.max_model_len - 2 * self.width
+        return (self.runner.bucket_for(len(reqs)) in self.runner.graphs
+                and all(r.params.greedy and r.params.logprobs is None and context_free(r)
+                        and r.num_computed_tokens <= limit and self.worker.drafter.ready(r) for r in reqs))
+
+    # ---- launch ----------------------------------------------------------------------------
+    def start(self, reqs: list[Request]) -> list[RequestOutput]:
+        """The first step of a chain: stage the requests' states, replay; under the overlap schedule leave it
+        in flight, else read it and end the chain now."""
+        eng = self.engine
+        n = len(reqs)
+        cols = max(len(r.block_table) for r in reqs)
+        roots = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in reqs]
+        t = eng.upload([roots, [r.num_computed_tokens for r in reqs], padded_tables(reqs, cols), [1] * n])
+        states = [r.spec_state for r in reqs]
+        batch = ChainBatch(t[0], torch.stack([s.first for s in states]), torch.stack([s.hidden for s in states]),
+                           t[1], t[2].view(n, cols), t[3])
+        eager_before = self.runner.stats.eager
+        out = self.runner.run(batch)
+        w = self._in_flight(reqs, out, [len(r.block_table) for r in reqs])
+        # chained replays read the graph's buffers: only after a replay (not an eager fallback) filled them
+        if eng.overlap_schedule and not self.worker.profile.enabled and self.runner.stats.eager == eager_before:
+            self.inflight = w
+            return []
+        outputs = self._collect(w)
+        self._end(w)
+        return outputs
+
+    def _continue(self, w: InflightChain) -> InflightChain | None:
+        """Launch the step after the in-flight one, when the batch is the same pure decode batch and the KV
+        pool covers it (blocks for 2 W positions past where the in-flight step started)."""
+        eng = self.engine
+        limit = eng.config.max_model_len - 2 * self.width
+        if eng.scheduler.running != w.reqs or any(r.num_computed_tokens > limit for r in w.reqs):
+            return None
+        if all(r.params.max_tokens - len(r.output_token_ids) <= self.width for r in w.reqs):
+            return None  # every request ends inside the in-flight step: nothing would use the next
+        if eng.scheduler.schedule_decode_window(self.width, ahead=self.width) is None:
+            return None
+        lens = [len(r.block_table) for r in w.reqs]
+        if lens != w.table_lens:  # a table grew: refresh the graph's copy (rows past a table stay unread)
+            cols = max(lens)
+            bucket = self.runner.bucket_for(len(w.reqs))
+            view = self.runner.buffers.view("block_tables", bucket)
+            view[:len(w.reqs), :cols].copy_(eng.upload([padded_tables(w.reqs, cols)])[0].view(len(w.reqs), cols))
+        out = self.runner.replay_unstaged(len(w.reqs))
+        return None if out is None else self._in_flight(w.reqs, out, lens)
+
+    def _in_flight(self, reqs: list[Request], out: ChainOutputs, table_lens: list[int]) -> InflightChain:
+        packed = torch.cat([out.tokens, out.accepted[:, None], out.bonus[:, None]], dim=1)
+        if self._stream is None:
+            return InflightChain(reqs, out, packed, None, table_lens)
+        # a copy on its own stream: the next step's kernels need not queue behind it
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        self._stream.wait_stream(torch.cuda.current_stream(self.engine.device))
+        with torch.cuda.stream(self._stream):
+            host.copy_(packed, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        packed.record_stream(self._stream)
+        return InflightChain(reqs, out, host, ready, table_lens)
+
+    # ---- read back -------------------------------------------------------------------------
+    def advance(self) -> list[RequestOutput]:
+        """Launch the next step (if the batch allows), then read the in-flight one."""
+        w, self.inflight = self.inflight, None
+        nxt = self._continue(w)
+        outputs = self._collect(w)
+        if nxt is None:
+            self._end(w)
+        self.inflight = nxt
+        return outputs
+
+    def _collect(self, w: InflightChain) -> list[RequestOutput]:
+        """Append each request's accepted drafts and bonus token with the usual stop checks. A request that
+        stopped (or was aborted) before this step is skipped: its tokens here are discarded."""
+        if w.ready is not None:
+            w.ready.synchronize()
+        rows = w.host.tolist()  # the step's one device -> host read
+        eng, width = self.engine, self.width
+        outputs: list[RequestOutput] = []
+        for r, row in zip(w.reqs, rows):
+            if r.finish_reason is not None:
+                continue
+            k, bonus = row[width], row[width + 1]
+            room = max(1, r.params.max_tokens - len(r.output_token_ids))
+            r.metrics.record_verify(min(width, room) - 1, min(k, room - 1))
+            self.worker.stats.record(min(width, room) - 1, min(k, room - 1))
+            r.num_computed_tokens += k + 1
+            for tok in row[1:k + 1] + [bonus]:
+                eng._append_token(r, tok, None)
+                if r.finish_reason is not None:
+                    break
+            eng._emit(outputs, r)
+        return outputs
+
+    def _end(self, w: InflightChain) -> None:
+        """The chain stops after step `w` (the last one replayed): the survivors take their draft state from
+        its outputs and give back the blocks reserved past their tokens."""
+        from .eagle import EagleState
+
+        out = w.out
+        for i, r in enumerate(w.reqs):
+            if r.finish_reason is None:
+                r.spec_state = EagleState(r.num_computed_tokens, out.hidden[i].clone(), out.logits[i].clone(),
+                                          out.first[i].clone())
+                self.worker._free_unused_blocks(r)
