@@ -2,7 +2,7 @@
 
 Requests are parsed from the raw body with `model_validate_json` in strict mode: a number must be a
 JSON number (no "0.5" strings, no true for an integer), NaN/Infinity are refused, and unknown fields
-are ignored (see the README, "Request semantics"). Semantic checks that need the model (context
+are ignored (see docs/serving.md, "Request semantics"). Semantic checks that need the model (context
 length, vocabulary) live in app.py.
 """
 from __future__ import annotations
