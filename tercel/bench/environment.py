@@ -51,7 +51,7 @@ def command_line(prog: str, argv: list[str], repo: Path = REPO) -> str:
             except ValueError:
                 pass
         return key + eq + value
-    return " ".join(shlex.quote(x) for x in [prog, *map(rel, argv)])
+    return " ".join([prog, *(shlex.quote(rel(a)) for a in argv)])
 
 
 def environment(command: str, device: torch.device | None = None) -> dict:
