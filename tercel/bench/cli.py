@@ -146,6 +146,17 @@ def _add_output_args(p: argparse.ArgumentParser, mode: str) -> None:
     o.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG figures")
 
 
+def _can_plot(args) -> bool:
+    if not args.plots:
+        return False
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("warning: matplotlib is not installed, so no PNGs (pip install matplotlib)", file=sys.stderr)
+        return False
+    return True
+
+
 def _out_dir(args) -> Path:
     return Path(args.out_dir or os.environ.get("TERCEL_RESULTS_DIR") or DEFAULT_OUT_DIR)
 
@@ -239,7 +250,7 @@ def run_offline_cmd(args) -> int:
     stem = args.name or f"bench_offline_{_model_stem(args.model)}_{'gpu' if device.type == 'cuda' else 'cpu'}"
     out = _out_dir(args)
     files = {}
-    if args.plots:
+    if _can_plot(args):
         from .plots import plot_accept_histogram, plot_speedup
 
         for key, fn in (("speedup_png", plot_speedup), ("accept_histogram_png", plot_accept_histogram)):
@@ -293,7 +304,7 @@ def run_serve_cmd(args) -> int:
     stem = args.name or f"bench_serve_{_model_stem(args.label or model)}"
     out = _out_dir(args)
     files = {}
-    if args.plots:
+    if _can_plot(args):
         from .plots import plot_serve_latency
 
         path = plot_serve_latency(results, f"{label} at {args.base_url}", out / f"{stem}_latency.png")
