@@ -74,6 +74,7 @@ def test_offline_sweep_on_smollm2(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "NGRAM" in r.stdout and "api/token-id" in r.stdout  # the table
     d = json.loads((tmp_path / "sweep.json").read_text())
+    assert d["complete"] is True and d["result"]["engine_errors"] == {} and d["result"]["point_errors"] == []
     env = d["environment"]
     import torch
 

@@ -246,10 +246,18 @@ def run_offline_cmd(args) -> int:
     if args.hf_peers is None:
         args.hf_peers = device.type == "cuda"
     cfg = offline_config(args)
-    result = run_offline(cfg)
     stem = args.name or f"bench_offline_{_model_stem(args.model)}_{'gpu' if device.type == 'cuda' else 'cpu'}"
     out = _out_dir(args)
-    files = {}
+    env = environment(_command(), device)
+    files: dict[str, str] = {}
+
+    def save(result, complete: bool) -> Path:
+        return write_json(out / f"{stem}.json", {
+            "benchmark": "tercel bench offline", "complete": complete, "environment": env, "config": cfg,
+            "tok_s_definition": TOK_S_NOTE, "roofline_definition": ROOFLINE_NOTE, "files": files, "result": result})
+
+    # rewritten after every point: a run stopped by a time limit keeps what it measured
+    result = run_offline(cfg, on_progress=lambda partial: save(partial, complete=False))
     if _can_plot(args):
         from .plots import plot_accept_histogram, plot_speedup
 
@@ -257,13 +265,10 @@ def run_offline_cmd(args) -> int:
             path = fn(result, out / f"{stem}_{key.removesuffix('_png')}.png")
             if path is not None:
                 files[key] = path.name
-    payload = {"benchmark": "tercel bench offline", "environment": environment(_command(), device),
-               "config": cfg, "tok_s_definition": TOK_S_NOTE, "roofline_definition": ROOFLINE_NOTE,
-               "files": files, "result": result}
-    path = write_json(out / f"{stem}.json", payload)
+    path = save(result, complete=True)
     print(offline_table(result))
     print(f"wrote {path}" + "".join(f", {out / f}" for f in files.values()))
-    return 0 if result.points else 1
+    return 0 if result.points and not result.engine_errors and not result.point_errors else 1
 
 
 # ---- serve --------------------------------------------------------------------------------------------------

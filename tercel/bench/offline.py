@@ -101,6 +101,7 @@ class OfflineResult:
     copy_bandwidth_bytes_per_s: float
     points: list[Point] = field(default_factory=list)
     engine_errors: dict[str, str] = field(default_factory=dict)  # algorithm -> why its engine did not start
+    point_errors: list[dict] = field(default_factory=list)  # a point that failed ends its algorithm's sweep
     hf_peers: list[dict] = field(default_factory=list)
 
 
@@ -231,10 +232,10 @@ def _engines(cfg: OfflineConfig, loaded, device: torch.device, errors: dict[str,
         _free(device)
 
 
-def run_offline(cfg: OfflineConfig, on_point: Callable[[Point], None] | None = None) -> OfflineResult:
+def run_offline(cfg: OfflineConfig, on_progress: Callable[[OfflineResult], None] | None = None) -> OfflineResult:
+    """The sweep; on_progress gets the result so far after every point (speed-ups filled in)."""
     loaded, device = load_target(cfg)
     api_prompts, id_prompts, described = held_out_prompts(loaded, cfg.num_prompts)
-    chat = isinstance(api_prompts[0], list) and isinstance(api_prompts[0][0], dict)
     shape = target_shape(cfg.model)
     label = shape.label if shape else f"{loaded.path.name} ({loaded.config.architecture})"
     res = OfflineResult(model=label, device=str(device), dtype=str(next(loaded.model.parameters()).dtype),
@@ -243,27 +244,23 @@ def run_offline(cfg: OfflineConfig, on_point: Callable[[Point], None] | None = N
     total = len(cfg.algorithms) * len(cfg.output_lens) * len(cfg.concurrency)
     bar = tqdm(total=total, desc="bench offline", unit="point", leave=False)
     for algo, llm in _engines(cfg, loaded, device, res.engine_errors):
-        for n_out in cfg.output_lens:
-            for i, c in enumerate(sorted(cfg.concurrency)):
-                bar.set_postfix_str(f"{algo} c={c} len={n_out}")
-                params = _params(cfg, c, n_out, cfg.ignore_eos)
-                batch = _cycle(api_prompts, c)
-                run = ((lambda b=batch, p=params: llm.chat(b, p)) if chat
-                       else (lambda b=batch, p=params: llm.generate(b, p)))
-                first, second = timed_pass(llm, run, device), timed_pass(llm, run, device)
-                point = Point(algo, c, n_out, first, second)
-                if algo == "NONE" and cfg.token_id_path and chat:  # without a tokenizer both paths are ids
-                    ids, p = _cycle(id_prompts, c), _params(cfg, c, n_out, True)
-                    point.token_id = timed_pass(llm, lambda: llm.generate(ids, p), device)
-                    point.api_fraction_of_token_id = round(second.tok_s / point.token_id.tok_s, 3)
-                spec = llm.engine.spec
-                if spec is not None and (cfg.profile == "all" or (cfg.profile == "first" and i == 0)):
-                    point.step_breakdown_us = profiled_pass(spec, run)
-                res.points.append(point)
-                if on_point is not None:
-                    on_point(point)
-                bar.update(1)
-        llm = run = None  # the generator drops the engine only once no reference is left here
+        points = [(n, c) for n in cfg.output_lens for c in sorted(cfg.concurrency)]
+        for n_out, c in points:
+            bar.set_postfix_str(f"{algo} c={c} len={n_out}")
+            try:
+                point = measure_point(cfg, llm, algo, c, n_out, profile=cfg.profile == "all" or (
+                    cfg.profile == "first" and c == min(cfg.concurrency)), prompts=(api_prompts, id_prompts))
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory at a large batch: keep the other algorithms
+                res.point_errors.append({"algorithm": algo, "concurrency": c, "output_len": n_out,
+                                         "error": f"{type(e).__name__}: {e}"[:500]})
+                bar.update(len(points) - points.index((n_out, c)))
+                break  # this engine's state is suspect; the next algorithm gets a fresh one
+            res.points.append(point)
+            if on_progress is not None:
+                derive(res)
+                on_progress(res)
+            bar.update(1)
+        llm = None  # the generator drops the engine only once no reference is left here
     bar.close()
     derive(res)
     if cfg.hf_peers:
@@ -272,9 +269,29 @@ def run_offline(cfg: OfflineConfig, on_point: Callable[[Point], None] | None = N
         res.hf_peers = run_hf_peers(cfg, loaded, id_prompts[0], device)
         for peer in res.hf_peers:
             ours = {p.algorithm: p.second.tok_s for p in res.points
-                    if p.concurrency == 1 and p.output_len == peer["output_len"]}
+                    if p.concurrency == 1 and p.output_len == peer.get("output_len")}
             peer["tercel_speedup"] = {a: round(t / peer["tok_s"], 2) for a, t in ours.items() if peer.get("tok_s")}
     return res
+
+
+def measure_point(cfg: OfflineConfig, llm, algo: str, c: int, n_out: int, profile: bool,
+                  prompts: tuple[list, list[list[int]]]) -> Point:
+    """Two timed passes of `c` requests at once; plain decoding adds the token-id pass, speculative
+    decoding (when `profile`) a profiled one."""
+    api_prompts, id_prompts = prompts
+    device = llm.engine.device
+    chat = isinstance(api_prompts[0], list) and isinstance(api_prompts[0][0], dict)
+    batch, params = _cycle(api_prompts, c), _params(cfg, c, n_out, cfg.ignore_eos)
+    run = (lambda: llm.chat(batch, params)) if chat else (lambda: llm.generate(batch, params))
+    first = timed_pass(llm, run, device)
+    point = Point(algo, c, n_out, first, timed_pass(llm, run, device))
+    if algo == "NONE" and cfg.token_id_path and chat:  # without a tokenizer both paths are token ids
+        ids, id_params = _cycle(id_prompts, c), _params(cfg, c, n_out, True)
+        point.token_id = timed_pass(llm, lambda: llm.generate(ids, id_params), device)
+        point.api_fraction_of_token_id = round(point.second.tok_s / point.token_id.tok_s, 3)
+    if llm.engine.spec is not None and profile:
+        point.step_breakdown_us = profiled_pass(llm.engine.spec, run)
+    return point
 
 
 def profiled_pass(spec, run: Callable[[], object]) -> dict:

@@ -68,6 +68,8 @@ def offline_table(result) -> str:
                   "token-id tok/s", "api/token-id"], rows)
     if result.engine_errors:
         text += "\n" + "\n".join(f"{a}: engine did not start: {e}" for a, e in result.engine_errors.items())
+    for err in result.point_errors:
+        text += f"\n{err['algorithm']} at concurrency {err['concurrency']}, {err['output_len']} tokens: {err['error']}"
     if result.hf_peers:
         peer_rows = [[r["config"], r.get("output_len"), r.get("tok_s"), r.get("error", "")[:60] or None,
                       " ".join(f"{a} {s}x" for a, s in r.get("tercel_speedup", {}).items()) or None]

@@ -156,7 +156,7 @@ async def stream_chat(client, url: str, payload: dict, headers: dict[str, str]) 
 def _payload(cfg: ServeConfig, model: str, conv) -> dict:
     return {"model": model, "messages": [{"role": r, "content": c} for r, c in conv], "stream": True,
             "stream_options": {"include_usage": True}, "max_tokens": cfg.max_tokens,
-            "temperature": cfg.temperature, "ignore_eos": cfg.ignore_eos}
+            "temperature": cfg.temperature, **({"ignore_eos": True} if cfg.ignore_eos else {})}
 
 
 def _stats_ms(values: list[float]) -> dict[str, float | None]:
