@@ -142,7 +142,8 @@ def _add_output_args(p: argparse.ArgumentParser, mode: str) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--out-dir", default=None,
                    help=f"where the JSON and PNGs go (default: env TERCEL_RESULTS_DIR or {DEFAULT_OUT_DIR})")
-    o.add_argument("--name", default=None, help=f"file name stem (default: bench_{mode}_<model>_<device>)")
+    stem = "bench_offline_<model>_<cpu|gpu>" if mode == "offline" else "bench_serve_<label or model id>"
+    o.add_argument("--name", default=None, help=f"file name stem (default: {stem})")
     o.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG figures")
 
 
