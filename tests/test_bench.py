@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -170,7 +169,5 @@ def test_serve_against_tercel_serve(tiny_server, tmp_path):
             assert 0 < q["p50"] <= q["p90"] <= q["p99"] < 120_000, (key, q)
         assert row["e2e_ms"]["p50"] > row["ttft_ms"]["p50"]
         assert row["e2e_ms"]["p99"] >= row["ttft_ms"]["p99"]
-    # Poisson arrivals at 20/s spread 6 requests over time; 'inf' sends them together
-    assert not math.isclose(d["results"][0]["duration_s"], 0.0)
     pytest.importorskip("matplotlib")
     assert_png(tmp_path / d["files"]["latency_png"])

@@ -3,7 +3,8 @@
 Each point sends `concurrency` conversations at once to `LLM.chat` (text in, text out, as users run it) and
 is run twice: the first pass carries just-in-time costs (Triton compiles, graph warm-up), the second is
 the steady figure used for speed-ups. Plain decoding also runs the same prompts as token-id lists through
-`LLM.generate`, so the JSON shows what the text path (chat template, detokenization) costs."""
+`LLM.generate` with the engine's detokenizer off (ids in, ids out, as HF generate), so the JSON shows what
+the text path (chat template, incremental detokenization) costs."""
 from __future__ import annotations
 
 import dataclasses
@@ -83,7 +84,8 @@ class Point:
     output_len: int
     first: PassResult
     second: PassResult
-    token_id: PassResult | None = None  # plain only: the same prompts as token ids through LLM.generate
+    # plain only: the same prompts as token ids through LLM.generate, the engine's detokenizer off
+    token_id: PassResult | None = None
     api_fraction_of_token_id: float | None = None
     speedup_over_plain: float | None = None
     weight_roofline_tok_s: float | None = None
@@ -287,7 +289,12 @@ def measure_point(cfg: OfflineConfig, llm, algo: str, c: int, n_out: int, profil
     point = Point(algo, c, n_out, first, timed_pass(llm, run, device))
     if algo == "NONE" and cfg.token_id_path and chat:  # without a tokenizer both paths are token ids
         ids, id_params = _cycle(id_prompts, c), _params(cfg, c, n_out, True)
-        point.token_id = timed_pass(llm, lambda: llm.generate(ids, id_params), device)
+        # ids in, ids out, as HF generate: without a tokenizer the engine skips per-step detokenization
+        tokenizer, llm.engine.tokenizer = llm.engine.tokenizer, None
+        try:
+            point.token_id = timed_pass(llm, lambda: llm.generate(ids, id_params), device)
+        finally:
+            llm.engine.tokenizer = tokenizer
         point.api_fraction_of_token_id = round(point.second.tok_s / point.token_id.tok_s, 3)
     if llm.engine.spec is not None and profile:
         point.step_breakdown_us = profiled_pass(llm.engine.spec, run)
