@@ -38,31 +38,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import environment  # noqa: E402
 
+from tercel.bench.environment import copy_bandwidth, weight_bytes  # noqa: E402,F401
+from tercel.bench.shapes import random_loaded  # noqa: E402
+
 BATCHES = (1, 8, 32, 128, 256)
 
 
 def gpu_copy_bandwidth(nbytes: int = 2 << 30, reps: int = 10) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write), median of CUDA-event timings."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(reps + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / statistics.median(times[2:])
-
-
-def weight_bytes(model) -> int:
-    n = sum(p.numel() * p.element_size() for p in model.parameters())
-    if model.lm_head is not None:  # untied: the embedding table is gathered, not streamed
-        n -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    return n
+    return copy_bandwidth("cuda", nbytes, reps)
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -294,43 +278,7 @@ def hf_peers(path: str, prompt_ids: list[int], n: int, repeats: int, ours: list[
 
 
 def llama8b_loaded(max_model_len: int):
-    from tercel.config import ModelConfig
-    from tercel.loader.model_loader import LoadedModel, build_model
-
-    raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
-           "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
-           "rope_theta": 500000.0, "tie_word_embeddings": False,
-           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                            "original_max_position_embeddings": 8192},
-           "bos_token_id": 128000, "eos_token_id": [128001, 128009]}
-    cfg = ModelConfig.from_hf_dict(raw, source="llama-3.1-8b shape (random weights)")
-    model = build_model(cfg, max_model_len, torch.bfloat16, torch.device("cuda"))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    h, f, q, kvd = 4096, 14336, 4096, 8 * 128
-
-    def tensors():
-        yield "model.embed_tokens.weight", (128256, h)
-        for i in range(32):
-            p = f"model.layers.{i}."
-            yield p + "input_layernorm.weight", (h,)
-            yield p + "post_attention_layernorm.weight", (h,)
-            for n_, shape in (("q_proj", (q, h)), ("k_proj", (kvd, h)), ("v_proj", (kvd, h)), ("o_proj", (h, q))):
-                yield p + f"self_attn.{n_}.weight", shape
-            for n_, shape in (("gate_proj", (f, h)), ("up_proj", (f, h)), ("down_proj", (h, f))):
-                yield p + f"mlp.{n_}.weight", shape
-        yield "model.norm.weight", (h,)
-        yield "lm_head.weight", (128256, h)
-
-    def materialise():
-        for name, shape in tensors():
-            if "norm" in name:
-                yield name, torch.ones(shape, dtype=torch.bfloat16, device="cuda")
-            else:
-                yield name, torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02, generator=gen)
-
-    model.load_weights(materialise(), source="random weights")
-    return LoadedModel(model, cfg, None, Path("random-llama-3.1-8b"), cfg.eos_token_ids)
+    return random_loaded("llama-3.1-8b", max_model_len, torch.bfloat16, torch.device("cuda"))
 
 
 def main() -> None:

@@ -224,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--save-every", type=int, default=200)
     tr.add_argument("--seed", type=int, default=0)
     tr.set_defaults(func=cmd_train_draft)
+    from .bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     try:
         from .server.cli import add_serve_parser
     except ImportError:  # server extras (fastapi, uvicorn) not installed

@@ -1,0 +1,173 @@
+"""`tercel bench`: an offline sweep on SmolLM2 through the public API, HF peers on a random-weight shape, and
+`bench serve` against a real `tercel serve`, each run as users run it (`python -m tercel bench ...`)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from server_harness import REPO, ServerProcess, tiny_server_args
+from tercel.bench.offline import stats_delta, stats_snapshot
+from tercel.bench.report import percentile
+from tercel.spec.worker import SpecStats
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
+    env.pop("TERCEL_COMMIT", None)
+    # one intra-op thread: CI machines are small and shared, and spinning OpenMP threads slow each other down
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, "-m", "tercel", "bench", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def assert_png(path: Path) -> None:
+    from PIL import Image
+
+    assert path.read_bytes()[:8] == PNG_MAGIC, path
+    with Image.open(path) as im:
+        im.verify()
+        assert im.format == "PNG" and im.size[0] > 200 and im.size[1] > 200, (path, im.size)
+
+
+# ---- pieces -------------------------------------------------------------------------------------------------
+def test_percentile_interpolates_like_numpy():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([10.0, 0.0, 20.0], 90) == pytest.approx(18.0)
+
+
+def test_spec_stats_delta_reads_every_counter_and_histogram():
+    s = SpecStats()
+    s.record(4, 1)
+    before = stats_snapshot(s)
+    s.record(4, 3)
+    s.record(4, 0)
+    d = stats_delta(before, stats_snapshot(s))
+    assert d == {"verify_steps": 2, "draft_tokens": 8, "accepted_tokens": 3, "accept_histogram": [1, 0, 0, 1]}
+
+
+def test_bad_flags_fail_fast_with_one_line():
+    r = bench("offline", "--concurrency", "1,zero", timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--concurrency" in r.stderr and "e.g. 1,4,16" in r.stderr
+    r = bench("offline", "--model", "llama-3.1-8b", "--algorithms", "NONE,DFLASH", timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--dflash-draft DIR" in r.stderr, r.stderr
+    r = bench("serve", "--base-url", "http://127.0.0.1:9", "--request-rate", "1", timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --base-url"), r.stderr
+
+
+# ---- offline ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_offline_sweep_on_smollm2(tmp_path):
+    r = bench("offline", "--algorithms", "NONE,NGRAM", "--concurrency", "1,2", "--output-len", "8",
+              "--num-prompts", "2", "--out-dir", str(tmp_path), "--name", "sweep")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "NGRAM" in r.stdout and "api/token-id" in r.stdout  # the table
+    d = json.loads((tmp_path / "sweep.json").read_text())
+    assert d["complete"] is True and d["result"]["engine_errors"] == {} and d["result"]["point_errors"] == []
+    env = d["environment"]
+    import torch
+
+    assert env["torch"] == torch.__version__ and env["python"].count(".") == 2 and env["cpu"]
+    assert env["commit"] not in ("", "unknown") and "gpu" not in env
+    assert env["command"].startswith("python -m tercel bench offline --algorithms NONE,NGRAM --concurrency 1,2")
+    res = d["result"]
+    assert res["device"] == "cpu" and res["weight_bytes"] > 50e6 and res["copy_bandwidth_bytes_per_s"] > 1e8
+    points = {(p["algorithm"], p["concurrency"]): p for p in res["points"]}
+    assert sorted(points) == [("NGRAM", 1), ("NGRAM", 2), ("NONE", 1), ("NONE", 2)]
+    for (algo, c), p in points.items():
+        for run in (p["first"], p["second"]):
+            assert run["output_tokens"] == 8 * c  # ignore_eos: exactly --output-len each
+            assert run["tok_s"] == pytest.approx(run["output_tokens"] / run["wall_s"], rel=0.01)
+        assert p["weight_roofline_tok_s"] == pytest.approx(c * res["copy_bandwidth_bytes_per_s"] / res["weight_bytes"],
+                                                           rel=0.01)
+        assert p["roofline_fraction"] == pytest.approx(p["second"]["tok_s"] / p["weight_roofline_tok_s"], rel=0.01)
+        plain = points[("NONE", c)]["second"]["tok_s"]
+        assert p["speedup_over_plain"] == pytest.approx(p["second"]["tok_s"] / plain, rel=0.01)
+        if algo == "NONE":
+            assert p["second"]["mean_accept_length"] is None and p["second"]["spec_stats"] == {}
+            tid = p["token_id"]
+            assert tid["output_tokens"] == 8 * c
+            assert p["api_fraction_of_token_id"] == pytest.approx(p["second"]["tok_s"] / tid["tok_s"], rel=0.01)
+        else:
+            s = p["second"]["spec_stats"]
+            hist = p["second"]["accept_histogram"]
+            # the engine-wide counters over the pass agree with the requests' own
+            assert s["verify_steps"] == sum(hist) == sum(s["accept_histogram"]) > 0
+            assert s["accept_histogram"] == hist
+            mal = (s["accepted_tokens"] + s["verify_steps"]) / s["verify_steps"]
+            assert p["second"]["mean_accept_length"] == pytest.approx(mal, abs=1e-3) and mal >= 1
+            assert p["token_id"] is None
+    prof = points[("NGRAM", 1)]["step_breakdown_us"]
+    assert prof["steps"] > 0 and prof["host_us"]["verify"] > 0 and prof["gpu_us"] == {}
+    assert points[("NGRAM", 2)]["step_breakdown_us"] is None  # --profile first: the smallest concurrency only
+    pytest.importorskip("matplotlib")
+    assert d["files"] == {"speedup_png": "sweep_speedup.png", "accept_histogram_png": "sweep_accept_histogram.png"}
+    for name in d["files"].values():
+        assert_png(tmp_path / name)
+
+
+def test_offline_random_shape_with_hf_peer(tmp_path):
+    """A random-weight shape (no tokenizer: token ids both ways) and the HF peers, on the CPU."""
+    r = bench("offline", "--model", "llama-tiny", "--algorithms", "plain", "--concurrency", "1", "--output-len",
+              "6", "--kv-cache-memory", "16000000", "--hf-peers", "--no-plots", "--out-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads((tmp_path / "bench_offline_llama-tiny_cpu.json").read_text())
+    res = d["result"]
+    assert res["model"].startswith("llama-tiny shape, random weights") and "token ids" in res["prompts"]
+    (p,) = res["points"]
+    assert p["second"]["output_tokens"] == 6 and p["token_id"] is None
+    peers = {row["config"]: row for row in res["hf_peers"]}
+    assert set(peers) == {"eager", "prompt_lookup"}  # static cache + compile is CUDA only
+    for row in peers.values():
+        assert "error" not in row, row
+        assert row["tok_s"] > 0 and row["output_len"] == 6
+        assert row["tercel_speedup"]["NONE"] == pytest.approx(p["second"]["tok_s"] / row["tok_s"], rel=0.02)
+    assert d["files"] == {} and not list(tmp_path.glob("*.png"))
+
+
+# ---- serve --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_server():
+    srv = ServerProcess(*tiny_server_args()).start()
+    try:
+        yield srv.wait_ready()
+    finally:
+        rc = srv.stop()
+    assert rc == 0, srv.log_tail()
+
+
+def test_serve_against_tercel_serve(tiny_server, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"Once upon a time"\n{"prompt": "The capital of France is"}\n'
+                       '{"messages": [{"role": "user", "content": "a hash table"}]}\n')
+    r = bench("serve", "--base-url", tiny_server.base_url, "--request-rate", "20,inf", "--num-prompts", "6",
+              "--max-tokens", "8", "--prompts", str(prompts), "--label", "tiny", "--out-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "TTFT p50" in r.stdout
+    d = json.loads((tmp_path / "bench_serve_tiny.json").read_text())
+    assert d["environment"]["command"].startswith("python -m tercel bench serve --base-url")
+    assert d["model"] == tiny_server_args()[0].rsplit("/", 1)[-1] and d["config"]["distinct_prompts"] == 3
+    rates = [r["request_rate"] for r in d["results"]]
+    assert rates == [20.0, "inf"]
+    for row in d["results"]:
+        assert row["num_requests"] == row["completed"] == 6 and row["errors"] == 0 and row["error_samples"] == []
+        assert row["output_tokens"] == 6 * 8  # ignore_eos, counted from the stream's usage
+        assert row["output_tok_s"] == pytest.approx(row["output_tokens"] / row["duration_s"], rel=0.01)
+        assert row["request_throughput"] == pytest.approx(6 / row["duration_s"], rel=0.01)
+        for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+            q = row[key]
+            assert 0 < q["p50"] <= q["p90"] <= q["p99"] < 120_000, (key, q)
+        assert row["e2e_ms"]["p50"] > row["ttft_ms"]["p50"]
+        assert row["e2e_ms"]["p99"] >= row["ttft_ms"]["p99"]
+    pytest.importorskip("matplotlib")
+    assert_png(tmp_path / d["files"]["latency_png"])
