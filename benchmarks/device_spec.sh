@@ -14,10 +14,11 @@ export TERCEL_SMOL_GGUF=$M
 for step in ${STEPS:-speed}; do
   case $step in
     speed) python3 benchmarks/spec_speed.py --model $M --device cuda --new-tokens ${NEW:-128} \
-             --batch-sizes ${BS:-1,16} --sampling-temperatures=${TEMPS:-} --configs ${CONFIGS:-plain,ngram,eagle3-chain-5,eagle3-tree-topk4-8,dflash-16,ddtree-16} \
+             --batch-sizes ${BS:-1,16} --sampling-temperatures=${TEMPS:-} ${TCONFIGS:+--sampling-configs $TCONFIGS} --repeats ${REPEATS:-3} --configs ${CONFIGS:-plain,ngram,eagle3-chain-5,eagle3-tree-topk4-8,dflash-16,ddtree-16} \
              --out $OUT/spec_speed_smollm2_h200.json ${TRACE:+--trace $OUT/trace} 2>&1 | grep -v Warn ;;
     probe) TERCEL_SMALL_M=${SMALL_M:-0} python3 benchmarks/verify_probe.py --tokens ${TOKENS:-1,8,16} \
              --out $OUT/verify_probe_h200.json 2>&1 | grep -v Warn | tail -${PROBE_TAIL:-20} ;;
+    staging) python3 benchmarks/staging_probe.py --out $OUT/staging_probe_h200.json 2>&1 | tail -3 ;;
     check) python3 benchmarks/chain_check.py --out $OUT/chain_check_h200.json 2>&1 | grep -v Warn | tail -20 ;;
     gputests) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x ${TESTS:-tests/test_gpu_spec_graphs.py} 2>&1 \
              | tee $OUT/gpu_tests.log | tail -25 ;;

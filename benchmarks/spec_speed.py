@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sampling-temperatures", default="",
                     help="also run batch 1 at these temperatures (top-p 0.95), e.g. 1.0")
+    ap.add_argument("--sampling-configs", default=None, help="the configs that run those (default: all)")
     ap.add_argument("--configs", default=",".join(c[0] for c in CONFIGS))
     ap.add_argument("--out", default=None, help="default: benchmarks/results/spec_speed_smollm2_{h200,cpu}.json")
     ap.add_argument("--trace", default=None, help="directory: a torch.profiler trace of one bs-1 generate per config "
@@ -78,6 +79,8 @@ def main() -> None:
     draft = args.draft or str(DEFAULT_EAGLE3_DRAFT)
     drafts = {"EAGLE3": draft, "DFLASH": args.dflash_draft or str(DEFAULT_DFLASH_DRAFT)}
     drafts["DDTREE"] = drafts["DFLASH"]
+    root = Path(__file__).resolve().parent.parent
+    rel = lambda p: str(Path(p).resolve().relative_to(root)) if Path(p).resolve().is_relative_to(root) else p  # noqa: E731
     out = args.out or str(Path(__file__).parent / "results" /
                           f"spec_speed_smollm2_{'h200' if args.device.startswith('cuda') else 'cpu'}.json")
     # fixed KV pools: each engine would otherwise take 85% of whatever memory the previous ones left
@@ -110,7 +113,8 @@ def main() -> None:
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         llm.generate(prompts[:2], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))  # warm-up
         points = [(int(b), 0.0) for b in args.batch_sizes.split(",")]
-        points += [(1, float(t)) for t in args.sampling_temperatures.split(",") if t and float(t) > 0]
+        if args.sampling_configs is None or name in args.sampling_configs.split(","):
+            points += [(1, float(t)) for t in args.sampling_temperatures.split(",") if t and float(t) > 0]
         for bs, temp in points:
             params = (SamplingParams(max_tokens=args.new_tokens, temperature=temp, top_p=0.95, ignore_eos=True, seed=0)
                       if temp > 0 else greedy)
@@ -155,7 +159,7 @@ def main() -> None:
     payload = {"benchmark": "decode tokens/s: plain (CUDA graphs on a GPU; plain-eager without) vs speculative "
                             "(eager steps: no CUDA graphs yet)",
                "environment": environment(), "device": args.device, "dtype": str(base.engine.dtype),
-               "model": args.model or "SmolLM2-135M-Instruct (default)", "drafts": drafts, "token_map": args.token_map, "new_tokens": args.new_tokens,
+               "model": args.model or "SmolLM2-135M-Instruct (default)", "drafts": {k: rel(v) for k, v in drafts.items()}, "token_map": args.token_map, "new_tokens": args.new_tokens,
                "prompts": "EVAL_CHAT_PROMPTS + EVAL_CODE_PROMPTS (chat template), greedy, ignore_eos; batch 1: each "
                           "prompt alone in turn, tok/s over all of them; batch N: the first N prompts (cycled) at once",
                "tokens_per_s_definition": "batch_size * new_tokens / wall time of generate() (prefill included)",

@@ -52,7 +52,9 @@ def _tokens(llm, prompts, n):
 
 @pytest.mark.parametrize("name", list(ALGOS))
 def test_graph_mode_equals_eager_mode_bf16(bf16, chats, name):
-    graph = spec_llm(bf16, **GRAPH_BS, **ALGOS[name])
+    # bit-for-bit against eager needs the same steps in the same batches: the overlap schedule (a chained
+    # EAGLE step runs one step past a request's end) is checked in fp32 against plain decoding below
+    graph = spec_llm(bf16, **GRAPH_BS, disable_overlap_schedule=True, **ALGOS[name])
     eager = spec_llm(bf16, disable_cuda_graph=True, kv_cache_memory=2 << 30, **ALGOS[name])
     for batch in (chats[:1], chats[:16]):
         assert _tokens(graph, batch, 128) == _tokens(eager, batch, 128)

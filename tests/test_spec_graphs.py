@@ -116,10 +116,13 @@ def test_every_width_runs_under_graphs(smol_llm, prompts, plain, name, kw):
     assert _replays(llm) > 0
 
 
-def test_batches_shrink_with_cancellations_under_graphs(smol_llm, prompts, plain):
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+def test_batches_shrink_with_cancellations_under_graphs(smol_llm, prompts, plain, overlap):
     """32 requests, then 12 after 20 are cancelled mid-run, then 1: every survivor's output is plain's;
-    every KV block comes back; nothing ran eagerly that a graph could serve."""
-    llm = spec_llm(smol_llm, **GRAPHS, **ALGOS["eagle3-chain"], cuda_graph_max_bs=32)
+    every KV block comes back; nothing ran eagerly that a graph could serve (with the overlap schedule,
+    cancellations land while a chained step is in flight)."""
+    llm = spec_llm(smol_llm, **GRAPHS, **ALGOS["eagle3-chain"], cuda_graph_max_bs=32,
+                   disable_overlap_schedule=not overlap)
     eng = llm.engine
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     ids = [eng.add_request(prompts[i % len(prompts)], params) for i in range(32)]
