@@ -90,6 +90,29 @@ def main() -> None:
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in EVAL_CHAT_PROMPTS + EVAL_CODE_PROMPTS]
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     greedy = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    params_bytes = sum(p.numel() * p.element_size() for p in base.engine.model.parameters())
+    bw = copy_bandwidth(args.device) if args.device.startswith("cuda") else None
+
+    def write(rows: list[dict]) -> None:
+        plain1 = next((r for r in rows if r["config"] == "plain" and r["batch_size"] == 1 and r["temperature"] == 0),
+                      None)
+        payload = {"benchmark": "decode tokens/s: plain (CUDA graphs on a GPU; plain-eager without) vs speculative "
+                                "(speculative steps under CUDA graphs; *-eager rows without)",
+                   "environment": env, "device": args.device, "dtype": str(base.engine.dtype),
+                   "model": args.model or "SmolLM2-135M-Instruct (default)",
+                   "drafts": {k: rel(v) for k, v in drafts.items()}, "token_map": args.token_map,
+                   "new_tokens": args.new_tokens,
+                   "prompts": "EVAL_CHAT_PROMPTS + EVAL_CODE_PROMPTS (chat template), ignore_eos; batch 1: each "
+                              "prompt alone in turn, tok/s over all of them; batch N: the first N prompts (cycled) "
+                              "at once; T=0 greedy, T>0 rows: top-p 0.95, seed 0",
+                   "tokens_per_s_definition": "batch_size * new_tokens / wall time of generate() (prefill included)",
+                   "weight_bytes": params_bytes, "copy_bandwidth_bytes_per_s": bw,
+                   "plain_bs1_roofline_fraction": (plain1["tokens_per_s"] * params_bytes / bw) if bw and plain1 else None,
+                   "results": rows}
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(payload, indent=2) + "\n")
+
+    env = environment()
     rows = []
     wanted = args.configs.split(",")
     for name, algo, topk, n, extra in (c for c in CONFIGS if c[0] in wanted):
@@ -153,21 +176,8 @@ def main() -> None:
                          "step_breakdown_us": breakdown})
             print(f"{name:22s} bs={bs:3d} T={temp:g}: {tps:8.1f} tok/s  accept length {mal or 1:.2f}  "
                   f"{breakdown['gpu_us'] if breakdown else ''}", flush=True)
-    params_bytes = sum(p.numel() * p.element_size() for p in base.engine.model.parameters())
-    bw = copy_bandwidth(args.device) if args.device.startswith("cuda") else None
-    plain1 = next(r for r in rows if r["config"] == "plain" and r["batch_size"] == 1 and r["temperature"] == 0)
-    payload = {"benchmark": "decode tokens/s: plain (CUDA graphs on a GPU; plain-eager without) vs speculative "
-                            "(eager steps: no CUDA graphs yet)",
-               "environment": environment(), "device": args.device, "dtype": str(base.engine.dtype),
-               "model": args.model or "SmolLM2-135M-Instruct (default)", "drafts": {k: rel(v) for k, v in drafts.items()}, "token_map": args.token_map, "new_tokens": args.new_tokens,
-               "prompts": "EVAL_CHAT_PROMPTS + EVAL_CODE_PROMPTS (chat template), greedy, ignore_eos; batch 1: each "
-                          "prompt alone in turn, tok/s over all of them; batch N: the first N prompts (cycled) at once",
-               "tokens_per_s_definition": "batch_size * new_tokens / wall time of generate() (prefill included)",
-               "weight_bytes": params_bytes, "copy_bandwidth_bytes_per_s": bw,
-               "plain_bs1_roofline_fraction": (plain1["tokens_per_s"] * params_bytes / bw) if bw else None,
-               "results": rows}
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(payload, indent=2) + "\n")
+            write(rows)  # after every point: a run cut by a time limit keeps what it measured
+    write(rows)
     print("wrote", out)
 
 
