@@ -28,6 +28,7 @@ CONFIGS = [  # (name, algorithm, topk, num_draft_tokens, engine keywords)
     ("eagle3-chain-3", "EAGLE3", 1, None, {"speculative_num_steps": 3}),
     ("eagle3-chain-7", "EAGLE3", 1, None, {"speculative_num_steps": 7}),
     ("eagle3-chain-5-map", "EAGLE3", 1, None, {"token_map": True}), ("eagle3-tree-topk4-8", "EAGLE3", 4, 8, {}),
+    ("eagle3-tree-topk4-16", "EAGLE3", 4, 16, {}),
     ("dflash-16", "DFLASH", None, None, {}), ("ddtree-16", "DDTREE", None, None, {"speculative_ddtree_budget": 16}),
 ]
 
@@ -63,6 +64,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sampling-temperatures", default="",
                     help="also run batch 1 at these temperatures (top-p 0.95), e.g. 1.0")
+    ap.add_argument("--warmup-seconds", type=float, default=20.0,
+                    help="plain decoding this long before any timing (the GPU leaves its idle clocks)")
     ap.add_argument("--sampling-configs", default=None, help="the configs that run those (default: all)")
     ap.add_argument("--configs", default=",".join(c[0] for c in CONFIGS))
     ap.add_argument("--out", default=None, help="default: benchmarks/results/spec_speed_smollm2_{h200,cpu}.json")
@@ -113,6 +116,9 @@ def main() -> None:
         Path(out).write_text(json.dumps(payload, indent=2) + "\n")
 
     env = environment()
+    start = time.perf_counter()
+    while time.perf_counter() - start < args.warmup_seconds:
+        base.generate(prompts[:16], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
     rows = []
     wanted = args.configs.split(",")
     for name, algo, topk, n, extra in (c for c in CONFIGS if c[0] in wanted):
