@@ -130,10 +130,10 @@ def main() -> None:
             torch.cuda.empty_cache()
         llm = LLM.__new__(LLM)
         extra = dict(extra)
-        env = extra.pop("env", {})
-        token_map = str(DEFAULT_EAGLE3_TOKEN_MAP) if extra.pop("token_map", False) else args.token_map  # switches read while the engine builds (e.g. which graphs it captures)
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
+        switches = extra.pop("env", {})  # read while the engine builds (e.g. which graphs it captures)
+        token_map = str(DEFAULT_EAGLE3_TOKEN_MAP) if extra.pop("token_map", False) else args.token_map
+        saved = {k: os.environ.get(k) for k in switches}
+        os.environ.update(switches)
         llm.engine = LLMEngine(loaded=base.engine.loaded, device=args.device, dtype=base.engine.dtype,
                                speculative_algorithm=algo, speculative_draft_model_path=drafts.get(algo),
                                speculative_eagle_topk=topk, speculative_num_draft_tokens=n,
