@@ -56,7 +56,7 @@ def add_engine_options(parser: argparse.ArgumentParser, defaults: dict[str, Any]
     setting's default for this command (by keyword name)."""
     defaults = defaults or {}
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for s in settings():
+    for s in settings(EngineConfig):
         if not s.option.cli:
             continue
         if s.section not in groups:
@@ -76,7 +76,7 @@ def add_engine_options(parser: argparse.ArgumentParser, defaults: dict[str, Any]
 def engine_config_from_args(args: argparse.Namespace, **settings_: Any) -> EngineConfig:
     """The tree from parsed flags (plus settings the command fixes itself, e.g. model, progress),
     validated with the flags' spelling in its errors."""
-    kw = {s.kwarg: getattr(args, s.kwarg) for s in settings() if s.option.cli and hasattr(args, s.kwarg)}
+    kw = {s.kwarg: getattr(args, s.kwarg) for s in settings(EngineConfig) if s.option.cli and hasattr(args, s.kwarg)}
     return EngineConfig.from_kwargs(**kw, **settings_).validate(cli_spelling)
 
 
