@@ -259,7 +259,8 @@ class KernelConfig:
     """kernels"""
 
     tune_gemv: bool = option(True, "(flag: --no-tune-gemv turns it off) measure cuBLAS against the Triton GEMVs "
-                                   "at start and keep the faster per shape (GPU, bf16/fp16)", check=boolean, negate=True)
+                                   "at start and keep the faster per shape (GPU, bf16/fp16)",
+                             check=boolean, negate=True)
     threads: int | None = option(None, "CPU threads for PyTorch's kernels (default: PyTorch's choice)",
                                  parse=parse_int, check=positive_int(optional=True))
 

@@ -18,8 +18,11 @@ transformers.logging.set_verbosity_error()
 
 
 @pytest.fixture(autouse=True)
-def no_weights(monkeypatch):
-    """Loading weights (or building an engine) fails the test: every mistake must be caught before."""
+def no_weights(monkeypatch, request):
+    """Loading weights (or building an engine) fails the test: every mistake must be caught before
+    (except in the test of a working command line)."""
+    if request.node.name == "test_a_correct_command_line_generates":
+        return
     import tercel.engine
     import tercel.loader.model_loader
 
@@ -157,3 +160,19 @@ def test_python_dash_m_tercel_is_the_cli():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip() == "tercel generate: error: --max-tokens 0: must be an integer >= 1"
+
+
+def test_a_correct_command_line_generates(capsys):
+    """The same flags, right: the model loads (the tokenizer once) and generates."""
+    from server_harness import tiny_model_dir
+
+    threads = torch.get_num_threads()
+    try:
+        assert main(["generate", "--model", str(tiny_model_dir()), "--device", "cpu", "--chat", "hi", "--max-tokens",
+                     "4", "--ignore-eos", "--kv-cache-memory", "16MiB", "--threads", "1",
+                     "--speculative-algorithm", "ngram"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err
+    assert "-- 4 tokens" in err and "finish: length" in err and "NGRAM" in err
