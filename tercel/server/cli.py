@@ -21,20 +21,22 @@ log = logging.getLogger("tercel.server")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+        raise argparse.ArgumentTypeError(f"{text}: must be a positive integer")
     return v
 
 
 def _port(text: str) -> int:
     v = _positive_int(text)
     if v > 65535:
-        raise argparse.ArgumentTypeError(f"port {v} is outside 1..65535")
+        raise argparse.ArgumentTypeError(f"{text}: must be a port number in 1..65535")
     return v
 
 
@@ -44,7 +46,7 @@ def _positive_float(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not v >= 0:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
+        raise argparse.ArgumentTypeError(f"{text}: must be a number >= 0")
     return v
 
 
@@ -54,7 +56,7 @@ def _seconds(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds (e.g. 10)")
+        raise argparse.ArgumentTypeError(f"{text}: must be a positive number of seconds (e.g. 10)")
     return v
 
 
