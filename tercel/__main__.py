@@ -1,6 +1,4 @@
 """python -m tercel ...: the same as the `tercel` command."""
-import sys
-
 from .cli import main
 
-sys.exit(main())
+raise SystemExit(main())

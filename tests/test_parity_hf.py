@@ -24,6 +24,8 @@ def _config(arch: str, tied: bool, gqa: int):
         return transformers.LlamaConfig(**common, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64}, rope_theta=500000.0)
+    if arch == "llama-bias":  # HF LlamaConfig's attention_bias (q/k/v/o) and mlp_bias (gate/up/down)
+        return transformers.LlamaConfig(**common, attention_bias=True, mlp_bias=True)
     if arch == "mistral":
         return transformers.MistralConfig(**common, sliding_window=None)
     if arch == "qwen2":
@@ -35,6 +37,7 @@ def _config(arch: str, tied: bool, gqa: int):
 
 CASES = [(a, t, g) for a in ("llama3", "mistral", "qwen2", "qwen3") for t in (True, False) for g in (1, 4)]
 CASES.append(("mistral-sliding", False, 4))
+CASES += [("llama-bias", False, 4), ("llama-bias", True, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +51,11 @@ def test_logits_and_greedy_match_hf(tmp_path, prompts, arch, tied, gqa):
     torch.manual_seed(0)
     cfg = _config(arch, tied, gqa)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    if arch == "qwen2":  # biases start at zero; make them count
+    if arch in ("qwen2", "llama-bias"):  # biases start at zero; make them count
         with torch.no_grad():
-            for layer in hf.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.2)
+            for name, p in hf.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0, 0.2)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", skip_tokenizer_init=True, progress=False,
               max_model_len=256)

