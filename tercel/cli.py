@@ -19,7 +19,11 @@ SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine settings the flags give, by keyword name (speculative ones not resolved)."""
-    return {k: v for k, v in engine_config_from_args(args).to_kwargs().items() if not k.startswith("speculative_")}
+    from .config import settings
+
+    flags = {s.kwarg for s in settings(EngineConfig) if s.option.cli}  # not model, progress, ... (the caller's)
+    return {k: v for k, v in engine_config_from_args(args).to_kwargs().items()
+            if k in flags and not k.startswith("speculative_")}
 
 
 def speculative_kwargs(args: argparse.Namespace) -> dict:
