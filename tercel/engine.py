@@ -131,6 +131,7 @@ class LLMEngine:
                  speculative_draft_model_path: str | Path | None = None, speculative_num_steps: int | None = None,
                  speculative_eagle_topk: int | None = None, speculative_num_draft_tokens: int | None = None,
                  speculative_ddtree_budget: int | None = None, speculative_token_map: str | Path | None = None,
+                 speculative_adaptive: bool | str = True,
                  disable_cuda_graph: bool = False,
                  cuda_graph_max_bs: int | None = None, cuda_graph_bs: list[int] | None = None,
                  cuda_graph_backend: str = "full", num_scheduler_steps: int = 1, tune_gemv: bool = True,
@@ -178,11 +179,13 @@ class LLMEngine:
         self._lock = threading.RLock()  # add/abort may come from another thread (the server)
         # Speculative decoding (tercel.spec): None keeps the plain decode path.
         from .spec import build_spec_worker
+        from .spec.adaptive import check_adaptive
 
         self.spec = build_spec_worker(
             self, speculative_algorithm, speculative_draft_model_path, speculative_num_steps,
             speculative_eagle_topk, speculative_num_draft_tokens, default_model=_is_default_model(loaded.path),
-            ddtree_budget=speculative_ddtree_budget, token_map=speculative_token_map)
+            ddtree_budget=speculative_ddtree_budget, token_map=speculative_token_map,
+            adaptive=check_adaptive(speculative_adaptive))
         # GPU fast path (tercel.graphs): decode steps replay CUDA graphs captured now; inputs go up in one copy.
         self.graph_runner = None
         self._stager = None
