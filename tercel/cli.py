@@ -68,6 +68,10 @@ def add_speculative_args(p: argparse.ArgumentParser, default_algorithm: str | No
     g.add_argument("--speculative-token-map", default=None,
                    help="EAGLE/EAGLE3: a .pt or .json list of target token ids the draft may propose (hot "
                         "tokens); each draft step's head then covers only them")
+    g.add_argument("--speculative-adaptive", default="on", type=str.lower, choices=["on", "off"],
+                   help="on (default): each step verifies the number of draft tokens that maximises expected "
+                        "tokens/s (measured step costs, running acceptance), down to plain decoding; off: "
+                        "num-draft-tokens every step")
 
 
 def speculative_kwargs(args: argparse.Namespace) -> dict:
@@ -86,7 +90,7 @@ def speculative_kwargs(args: argparse.Namespace) -> dict:
                 speculative_num_steps=args.speculative_num_steps, speculative_eagle_topk=args.speculative_eagle_topk,
                 speculative_num_draft_tokens=args.speculative_num_draft_tokens,
                 speculative_ddtree_budget=args.speculative_ddtree_budget,
-                speculative_token_map=token_map)
+                speculative_token_map=token_map, speculative_adaptive=args.speculative_adaptive)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -117,6 +121,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         mal = m.mean_accept_length
         spec = (f" | {cfg.algorithm} ({shape}, {cfg.num_draft_tokens} tokens/verify): mean accept length "
                 f"{mal:.2f}" if mal is not None else f" | {cfg.algorithm}: no verify steps")
+        widths = llm.engine.spec_stats().width_histogram
+        if widths:  # adaptive: steps per verified width (1: a plain decode step)
+            spec += " | widths " + " ".join(f"{w}:{n}" for w, n in sorted(widths.items()))
     print(f"\n-- {m.num_generated_tokens} tokens in {elapsed:.2f} s | TTFT {ttft:.0f} ms | decode "
           f"{rate:.1f} tok/s | finish: {last.outputs[0].finish_reason}{spec}" if rate else
           f"\n-- {m.num_generated_tokens} tokens in {elapsed:.2f} s | finish: {last.outputs[0].finish_reason}{spec}",

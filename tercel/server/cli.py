@@ -22,7 +22,7 @@ DEFAULT_PORT = 30000
 # Passed to LLMEngine as keyword arguments only when given on the command line.
 SPECULATIVE_ARGS = ("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
                     "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_ddtree_budget",
-                    "speculative_token_map")
+                    "speculative_token_map", "speculative_adaptive")
 _SIZE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
                "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
 
@@ -138,6 +138,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="EAGLE/EAGLE3: .pt or .json list of the target token ids the draft may propose")
     d.add_argument("--speculative-num-draft-tokens", type=_positive_int, default=None,
                    help="draft tokens verified per step")
+    d.add_argument("--speculative-adaptive", default=None, type=str.lower, choices=["on", "off"],
+                   help="on (default): draft tokens per step chosen from measured costs and acceptance; off: fixed")
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
