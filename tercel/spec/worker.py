@@ -75,6 +75,7 @@ class SpecWorker:
         self.verify_runners: dict[int, CudaGraphRunner] = {}  # by width (adaptive: the candidate widths)
         # adaptive speculation (adaptive.py): the width of each step from a cost model and the acceptance
         self.adaptive = AdaptiveSpec.for_batches(engine.config.max_num_seqs) if adaptive else None
+        self.last_width = 0  # the width the last spec step verified (1 when nothing was drafted)
         self.profile = StepProfile(engine.device)  # per-phase times, when a benchmark turns it on
 
     @property
@@ -119,6 +120,7 @@ class SpecWorker:
         if width > 1:  # the draft state catches up over the plain steps' tokens first
             ada.flush(reqs, self.drafter)
         outputs = self._spec_step(reqs, width)
+        width = self.last_width  # n-gram: 1 when no request found a match
         ada.costs.observe(len(reqs), width, time.perf_counter() - start)
         self.stats.width_histogram[width] = self.stats.width_histogram.get(width, 0) + 1
         return outputs
@@ -215,6 +217,7 @@ class SpecWorker:
                                      self.drafter.capture_hidden_mode, masks, eng.upload, eng.device)
         out = self._verify(batch)
         logits = out.logits
+        self.last_width = width
         # 3. accept: greedy on the device for the whole batch; the step's one host sync reads the result
         prof.mark("accept")
         b = len(reqs)
