@@ -82,8 +82,24 @@ def test_cost_model_buckets_and_overheads():
     costs = CostModel((1, 4, 16), {(4, 1): 0.01, (4, 6): 0.02})
     assert [costs.bucket(b) for b in (1, 2, 4, 5, 100)] == [1, 4, 4, 16, 16]
     assert costs.knows(3, (1, 6)) and not costs.knows(1, (1,))
+    costs.forward_s[4, 4] = 0.015
     costs.observe(3, 6, 0.05)  # 30 ms beyond the forward
     assert costs.step_s(4, 6) == pytest.approx(0.05) and costs.step_s(4, 1) == pytest.approx(0.01)
+    assert costs.step_s(4, 4) == pytest.approx(0.045)  # never ran: its forward + the spec steps' overhead
+    costs.observe(4, 6, 0.09)  # real steps move the average
+    assert costs.step_s(4, 6) == pytest.approx(0.06)
+
+
+def test_measuring_takes_turns_and_caps_noisy_narrow_widths():
+    durations = [0.050, 0.020, 0.030, 0.040, 0.019, 0.031]  # widths 1, 2, 4 in turn, two rounds
+    ticks = [t for i in range(len(durations)) for t in (sum(durations[:i]), sum(durations[:i + 1]))]
+    clock = iter(ticks).__next__
+    calls = []
+    costs = CostModel((1,))
+    costs.measure(1, (1, 2, 4), lambda b, w: calls.append(w), lambda: None, reps=2, clock=clock)
+    assert calls == [1, 2, 4] * 3  # a warm-up each, then two rounds taking turns
+    # width 1's best (40 ms) was a busy spell: capped at width 2's 19 ms
+    assert costs.forward_s == pytest.approx({(1, 1): 0.019, (1, 2): 0.019, (1, 4): 0.030})
 
 
 def test_candidate_widths_and_the_on_off_setting():

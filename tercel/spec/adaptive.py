@@ -103,13 +103,15 @@ def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
 
 @dataclass(slots=True)
 class CostModel:
-    """Step seconds by (batch bucket, width). forward_s: the target forward, measured; overhead_s: the rest
-    of a real step (key: bucket, speculative?), a moving average; unknown overhead counts as 0, so the
-    first speculative step at a bucket runs and measures it."""
+    """Step seconds by (batch bucket, width). step_s: the moving average of real steps at that width once
+    one ran; before that the measured target forward (forward_s) plus the rest of a step (overhead_s, key:
+    bucket, speculative?, learnt from the other widths' real steps). An unknown overhead counts as 0, so
+    the first speculative step at a bucket runs and measures what drafting really costs."""
     buckets: tuple[int, ...]
     forward_s: dict[tuple[int, int], float] = field(default_factory=dict)
     overhead_s: dict[tuple[int, bool], float] = field(default_factory=dict)
-    smoothing: float = 0.25  # weight of the newest step in the moving average
+    observed_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    smoothing: float = 0.25  # weight of the newest step in the moving averages
 
     def bucket(self, batch_size: int) -> int:
         i = bisect.bisect_left(self.buckets, batch_size)
@@ -121,34 +123,45 @@ class CostModel:
 
     def step_s(self, batch_size: int, width: int) -> float:
         b = self.bucket(batch_size)
+        seen = self.observed_s.get((b, width))
+        if seen is not None:
+            return seen
         return max(1e-9, self.forward_s[b, width] + self.overhead_s.get((b, width > 1), 0.0))
 
+    def _average(self, table: dict, key: tuple, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else old + self.smoothing * (value - old)
+
     def observe(self, batch_size: int, width: int, wall_s: float) -> None:
-        """A real step took wall_s: update the overhead beyond its forward."""
+        """A real step took wall_s: update that width's average and the overhead beyond its forward."""
         b = self.bucket(batch_size)
         if (b, width) not in self.forward_s:
             return
-        key, extra = (b, width > 1), wall_s - self.forward_s[b, width]
-        old = self.overhead_s.get(key)
-        self.overhead_s[key] = extra if old is None else old + self.smoothing * (extra - old)
+        self._average(self.observed_s, (b, width), wall_s)
+        self._average(self.overhead_s, (b, width > 1), wall_s - self.forward_s[b, width])
 
     def measure(self, batch_size: int, widths: Sequence[int], forward: Callable[[int, int], None],
-                sync: Callable[[], None], reps: int = 2) -> None:
-        """Time forward(bucket, width) for the widths not known yet at this batch's bucket: the best of
-        `reps` after a warm-up (the minimum: other processes only ever add time)."""
+                sync: Callable[[], None], reps: int = 2, clock: Callable[[], float] = time.perf_counter) -> None:
+        """Time forward(bucket, width) for the widths not known yet at this batch's bucket: a warm-up, then
+        `reps` rounds over the widths in turn, keeping each one's best (other processes only ever add time,
+        and taking turns spreads a busy spell over all widths). A narrower forward never costs more than a
+        wider one: a noisy narrow time is capped at the wider one's."""
         b = self.bucket(batch_size)
-        for w in widths:
-            if (b, w) in self.forward_s:
-                continue
+        todo = sorted(w for w in widths if (b, w) not in self.forward_s)
+        best = dict.fromkeys(todo, float("inf"))
+        for w in todo:
             forward(b, w)
-            best = float("inf")
-            for _ in range(reps):
+        for _ in range(reps):
+            for w in todo:
                 sync()
-                t = time.perf_counter()
+                t = clock()
                 forward(b, w)
                 sync()
-                best = min(best, time.perf_counter() - t)
-            self.forward_s[b, w] = best
+                best[w] = min(best[w], clock() - t)
+        self.forward_s.update({(b, w): s for w, s in best.items()})
+        cap = float("inf")
+        for w in sorted((w for bb, w in self.forward_s if bb == b), reverse=True):
+            cap = self.forward_s[b, w] = min(self.forward_s[b, w], cap)
 
 
 @dataclass(slots=True)
