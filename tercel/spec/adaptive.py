@@ -204,6 +204,9 @@ class AdaptiveSpec:
                sync: Callable[[], None]) -> int:
         if not self.costs.knows(len(reqs), widths):
             self.costs.measure(len(reqs), widths, forward, sync)
+            # the first step at a bucket runs the full width: the forwards alone miss what drafting costs and
+            # the acceptance is a prior, so one real step measures both before the policy weighs them
+            return max(widths)
         return self.policy.choose(self.costs, len(reqs), [stats_of(r).alpha for r in reqs], widths)
 
     # ---- deferred draft_extend ---------------------------------------------------------------
