@@ -29,7 +29,7 @@ from ..config import ConfigError
 from ..request import Request
 from .drafter import Drafter, ExtendedChunk
 
-PRIOR_ALPHA = 0.6  # a new request's acceptance guess: optimistic enough that the first steps measure it
+PRIOR_ALPHA = 0.6  # the first requests' acceptance guess; later ones start from the recent requests' average
 PRIOR_WEIGHT = 2.0  # worth two observed positions, so real verifies take over at once
 DECAY = 0.8  # per verify: the stats follow the text as it changes (code, prose, a repeated list)
 DEFER_CAP = 32  # deferred hidden rows per request before a draft_extend runs anyway (bounds memory)
@@ -85,10 +85,10 @@ class RequestAcceptStats:
         return self.deferred_start + len(self.deferred)
 
 
-def stats_of(r: Request) -> RequestAcceptStats:
+def stats_of(r: Request, prior: float = PRIOR_ALPHA) -> RequestAcceptStats:
     st = r.spec_adaptive
     if not isinstance(st, RequestAcceptStats):
-        st = r.spec_adaptive = RequestAcceptStats()
+        st = r.spec_adaptive = RequestAcceptStats(prior * PRIOR_WEIGHT, PRIOR_WEIGHT)
     return st
 
 
@@ -195,6 +195,8 @@ class AdaptiveSpec:
     costs: CostModel
     policy: WidthPolicy = field(default_factory=WidthPolicy)
     defer_cap: int = DEFER_CAP
+    # every request's verifies, decayed slowly: a new request's prior (the same text source, likely)
+    recent: RequestAcceptStats = field(default_factory=RequestAcceptStats)
 
     @classmethod
     def for_batches(cls, max_num_seqs: int) -> "AdaptiveSpec":
@@ -207,7 +209,12 @@ class AdaptiveSpec:
             # the first step at a bucket runs the full width: the forwards alone miss what drafting costs and
             # the acceptance is a prior, so one real step measures both before the policy weighs them
             return max(widths)
-        return self.policy.choose(self.costs, len(reqs), [stats_of(r).alpha for r in reqs], widths)
+        prior = self.recent.alpha
+        return self.policy.choose(self.costs, len(reqs), [stats_of(r, prior).alpha for r in reqs], widths)
+
+    def record(self, r: Request, drafts: int, accepted: int) -> None:
+        stats_of(r, self.recent.alpha).record(drafts, accepted)
+        self.recent.record(drafts, accepted, decay=0.95)
 
     # ---- deferred draft_extend ---------------------------------------------------------------
     @staticmethod

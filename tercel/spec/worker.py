@@ -28,7 +28,7 @@ from ..outputs import RequestOutput
 from ..request import Request
 from ..scheduler import ScheduledRequest
 from ..sampling import Sampler, greedy_tokens
-from .adaptive import AdaptiveSpec, candidate_widths, stats_of
+from .adaptive import AdaptiveSpec, candidate_widths
 from .batching import verify_batch
 from .drafter import DeviceChains, Drafter, ExtendedChunk
 from .profile import StepProfile
@@ -205,6 +205,8 @@ class SpecWorker:
         if isinstance(proposal, DeviceChains):
             device_tokens = proposal.tokens[:, :width].contiguous()
         else:  # no node past max_model_len; a request past max_tokens stops at its emit
+            if any(not t.is_chain for t in proposal):  # a branching proposal is verified whole (or not at all)
+                width = self.num_draft_tokens
             trees = [t.truncated(max(1, min(width, eng.config.max_model_len - r.num_computed_tokens)))
                      for r, t in zip(reqs, proposal)]
             if max(len(t) for t in trees) == 1 and self.drafter.capture_hidden_mode == CaptureHiddenMode.NULL:
@@ -252,7 +254,7 @@ class SpecWorker:
                 r.metrics.record_verify(min(len(t), room) - 1, min(k, room - 1))
                 self.stats.record(min(len(t), room) - 1, min(k, room - 1))
                 if self.adaptive is not None:
-                    stats_of(r).record(min(len(t), room) - 1, min(k, room - 1))
+                    self.adaptive.record(r, min(len(t), room) - 1, min(k, room - 1))
             emit = [t.tokens[j] for j in acc.nodes] + [acc.bonus]
             rows = [0] + acc.nodes  # row whose logits produced each emitted token
             for tok, row in zip(emit, rows):
