@@ -104,6 +104,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         mal = m.mean_accept_length
         spec = (f" | {cfg.algorithm} ({shape}, {cfg.num_draft_tokens} tokens/verify): mean accept length "
                 f"{mal:.2f}" if mal is not None else f" | {cfg.algorithm}: no verify steps")
+        widths = llm.engine.spec_stats().width_histogram
+        if widths:  # adaptive: steps per verified width (1: a plain decode step)
+            spec += " | widths " + " ".join(f"{w}:{n}" for w, n in sorted(widths.items()))
     print(f"\n-- {m.num_generated_tokens} tokens in {elapsed:.2f} s | TTFT {ttft:.0f} ms | decode "
           f"{rate:.1f} tok/s | finish: {last.outputs[0].finish_reason}{spec}" if rate else
           f"\n-- {m.num_generated_tokens} tokens in {elapsed:.2f} s | finish: {last.outputs[0].finish_reason}{spec}",

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from .options import (Option, Spelling, any_int, boolean, fraction, int_in, int_list, one_of, option, parse_float,
+from .options import (Option, Spelling, any_int, boolean, on_off, fraction, int_in, int_list, one_of, option, parse_float,
                       parse_int, parse_int_list, parse_size, path_like, positive_int, python_spelling)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -237,6 +237,9 @@ class SpeculativeConfig:
     token_map: Any = option(None, "EAGLE/EAGLE3: a .pt or .json list of target token ids the draft may propose (hot "
                                   "tokens); each draft step's head then covers only them", parse=str, check=path_like,
                      metavar="FILE")
+    adaptive: Any = option(True, "on (default): each step verifies the number of draft tokens that maximises expected "
+                                 "tokens/s (measured step costs, running acceptance), down to plain decoding; off: "
+                                 "num-draft-tokens every step", parse=str.lower, check=on_off, choices=("on", "off"))
 
     def resolve_auto(self, default_model: bool, on_cpu: bool) -> "SpeculativeConfig":
         """AUTO: EAGLE3 with the bundled head and its token map on the default model on the CPU; else off.

@@ -176,12 +176,14 @@ class LLMEngine:
         self._lock = threading.RLock()  # add/abort may come from another thread (the server)
         # Speculative decoding (tercel.spec): None keeps the plain decode path.
         from .spec import build_spec_worker
+        from .spec.adaptive import check_adaptive
 
         default_model = _is_default_model(loaded.path)
         sp = config.speculative = config.speculative.resolve_auto(default_model, self.device.type == "cpu")
         self.spec = build_spec_worker(
             self, sp.algorithm, sp.draft_model_path, sp.num_steps, sp.eagle_topk, sp.num_draft_tokens,
-            default_model=default_model, ddtree_budget=sp.ddtree_budget, token_map=sp.token_map)
+            default_model=default_model, ddtree_budget=sp.ddtree_budget, token_map=sp.token_map,
+            adaptive=check_adaptive(sp.adaptive))
         # GPU fast path (tercel.graphs): decode steps replay CUDA graphs captured now; inputs go up in one copy.
         self.graph_runner = None
         self._stager = None

@@ -81,6 +81,11 @@ def boolean(v: object, spell: Spelling) -> str | None:
     return None if isinstance(v, bool) else "must be True or False"
 
 
+def on_off(v: object, spell: Spelling) -> str | None:
+    ok = isinstance(v, bool) or (isinstance(v, str) and v.lower() in ("on", "off"))
+    return None if ok else "must be on|off (True or False); off verifies num_draft_tokens on every step"
+
+
 def one_of(*names: str, optional: bool = False, upper: bool = False) -> Check:
     def check(v: object, spell: Spelling) -> str | None:
         if v is None and optional:

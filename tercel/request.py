@@ -42,6 +42,7 @@ class Request:
     sent_token_len: int = 0
     eos_token_ids: frozenset[int] = frozenset()  # empty when ignore_eos
     spec_state: object | None = None  # the drafter's per-request state (tercel.spec), if any
+    spec_adaptive: object | None = None  # adaptive speculation's running acceptance (tercel.spec.adaptive)
     # token draws come from a counter-based stream: draw k's noise is a hash of (seed, k) (tercel.sampling)
     seed: int = 0
     draws: int = 0

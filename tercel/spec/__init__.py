@@ -9,6 +9,8 @@ the one spec step they share (worker.py). SGLang's argument names and semantics:
   speculative_num_draft_tokens tree nodes verified per step, root included (chain: num_steps + 1);
                                DFLASH / DDTREE: the block size (default: the checkpoint's)
   speculative_ddtree_budget    DDTREE: draft nodes in the tree (2..64; default 16)
+  speculative_adaptive         True (default): each step verifies the width that maximises expected tokens/s,
+                               down to a plain decode step (adaptive.py); False: num_draft_tokens every step
 
 DFLASH | DDTREE take a DFlash draft directory (z-lab format) as speculative_draft_model_path.
 """
@@ -113,7 +115,7 @@ class SpecConfig:
 def build_spec_worker(engine: "LLMEngine", algorithm: str | None, draft_path: str | Path | None,
                       num_steps: int | None, topk: int | None, num_draft_tokens: int | None,
                       default_model: bool = False, ddtree_budget: int | None = None,
-                      token_map: str | Path | None = None) -> SpecWorker | None:
+                      token_map: str | Path | None = None, adaptive: bool = True) -> SpecWorker | None:
     cfg = SpecConfig.resolve(algorithm, draft_path, num_steps, topk, num_draft_tokens, default_model, ddtree_budget,
                              token_map)
     if cfg is None:
@@ -123,7 +125,7 @@ def build_spec_worker(engine: "LLMEngine", algorithm: str | None, draft_path: st
 
         dflash = DFlashDrafter.load(engine, cfg.draft_model_path, cfg.num_draft_tokens or None, cfg.ddtree_budget)
         engine.spec_config = cfg
-        return SpecWorker(engine, dflash, dflash.num_draft_tokens)
+        return SpecWorker(engine, dflash, dflash.num_draft_tokens, adaptive)
     if cfg.algorithm == "NGRAM":
         from .ngram import NgramDrafter
 
@@ -133,7 +135,7 @@ def build_spec_worker(engine: "LLMEngine", algorithm: str | None, draft_path: st
 
         drafter = EagleDrafter.load(engine, cfg)
     engine.spec_config = cfg
-    return SpecWorker(engine, drafter, cfg.num_draft_tokens)
+    return SpecWorker(engine, drafter, cfg.num_draft_tokens, adaptive)
 
 
 __all__ = ["SpecConfig", "SpecStats", "SpecWorker", "build_spec_worker", "ALGORITHMS"]

@@ -11,8 +11,14 @@ batch change ends the chain after N + 1 (the survivors' draft states are written
 
 Only batches whose every token the device can choose qualify: greedy, context-free (no penalties or
 min_tokens), no logprobs, and 2 W positions of room under max_model_len.
+
+With adaptive speculation (adaptive.py) each chained step is timed (the wall time between two reads, one
+step apart once the chain runs) and its acceptance recorded, and before each launch the policy is asked
+again: when it no longer picks the full width, the chain ends and the worker's adaptive steps take over.
 """
 from __future__ import annotations
+
+import time
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -24,6 +30,7 @@ from ..outputs import RequestOutput
 from ..request import Request
 from .batching import padded_tables
 from .chain import ChainBatch, ChainOutputs
+from .adaptive import candidate_widths
 from .verify import context_free
 
 if TYPE_CHECKING:
@@ -46,6 +53,7 @@ class ChainLoop:
         self.runner = runner
         self.width = worker.num_draft_tokens
         self.inflight: InflightChain | None = None
+        self._last_read: float | None = None  # when the previous step's tokens were read (adaptive timing)
         self._stream = torch.cuda.Stream(self.engine.device) if self.engine.device.type == "cuda" else None
 
     def eligible(self, reqs: list[Request]) -> bool:
@@ -86,6 +94,14 @@ class ChainLoop:
             return None
         if all(r.params.max_tokens - len(r.output_token_ids) <= self.width for r in w.reqs):
             return None  # every request ends inside the in-flight step: nothing would use the next
+        ada = self.worker.adaptive
+        if ada is not None and ada.costs.knows(len(w.reqs), self._widths()):
+            prior = ada.recent.alpha
+            from .adaptive import stats_of
+
+            if ada.policy.choose(ada.costs, len(w.reqs), [stats_of(r, prior).alpha for r in w.reqs],
+                                 self._widths()) != self.width:
+                return None  # the policy would verify fewer tokens now: back to the worker's adaptive steps
         if eng.scheduler.schedule_decode_window(self.width, ahead=self.width) is None:
             return None
         lens = [len(r.block_table) for r in w.reqs]
@@ -96,6 +112,9 @@ class ChainLoop:
             view[:len(w.reqs), :cols].copy_(eng.upload([padded_tables(w.reqs, cols)])[0].view(len(w.reqs), cols))
         out = self.runner.replay_unstaged(len(w.reqs))
         return None if out is None else self._in_flight(w.reqs, out, lens)
+
+    def _widths(self) -> tuple[int, ...]:
+        return candidate_widths(self.width, False)
 
     def _in_flight(self, reqs: list[Request], out: ChainOutputs, table_lens: list[int]) -> InflightChain:
         packed = torch.cat([out.tokens, out.accepted[:, None], out.bonus[:, None]], dim=1)
@@ -116,19 +135,25 @@ class ChainLoop:
         """Launch the next step (if the batch allows), then read the in-flight one."""
         w, self.inflight = self.inflight, None
         nxt = self._continue(w)
-        outputs = self._collect(w)
+        self.inflight = nxt
+        outputs = self._collect(w, timed=nxt is not None)
         if nxt is None:
             self._end(w)
-        self.inflight = nxt
         return outputs
 
-    def _collect(self, w: InflightChain) -> list[RequestOutput]:
+    def _collect(self, w: InflightChain, timed: bool = False) -> list[RequestOutput]:
         """Append each request's accepted drafts and bonus token with the usual stop checks. A request that
         stopped (or was aborted) before this step is skipped: its tokens here are discarded."""
         if w.ready is not None:
             w.ready.synchronize()
         rows = w.host.tolist()  # the step's one device -> host read
         eng, width = self.engine, self.width
+        ada = self.worker.adaptive
+        now = time.perf_counter()
+        if ada is not None and timed and self._last_read is not None:
+            ada.costs.observe(len(w.reqs), width, now - self._last_read)  # steady state: one step per read
+        self._last_read = now if timed else None
+        self.worker.stats.width_histogram[width] = self.worker.stats.width_histogram.get(width, 0) + 1
         outputs: list[RequestOutput] = []
         for r, row in zip(w.reqs, rows):
             if r.finish_reason is not None:
@@ -137,6 +162,8 @@ class ChainLoop:
             room = max(1, r.params.max_tokens - len(r.output_token_ids))
             r.metrics.record_verify(min(width, room) - 1, min(k, room - 1))
             self.worker.stats.record(min(width, room) - 1, min(k, room - 1))
+            if ada is not None:
+                ada.record(r, min(width, room) - 1, min(k, room - 1))
             r.num_computed_tokens += k + 1
             for tok in row[1:k + 1] + [bonus]:
                 eng._append_token(r, tok, None)

@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import time
+
 import torch
 
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
@@ -27,6 +29,7 @@ from ..outputs import RequestOutput
 from ..request import Request
 from ..scheduler import ScheduledRequest
 from ..sampling import Sampler, greedy_tokens
+from .adaptive import AdaptiveSpec, candidate_widths
 from .batching import verify_batch
 from .drafter import DeviceChains, Drafter, ExtendedChunk
 from .profile import StepProfile
@@ -45,6 +48,7 @@ class SpecStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accept_histogram: list[int] = field(default_factory=list)
+    width_histogram: dict[int, int] = field(default_factory=dict)  # adaptive: steps per chosen width (1: plain)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.verify_steps += 1
@@ -64,13 +68,18 @@ class SpecStats:
 
 
 class SpecWorker:
-    def __init__(self, engine: "LLMEngine", drafter: Drafter, num_draft_tokens: int) -> None:
+    def __init__(self, engine: "LLMEngine", drafter: Drafter, num_draft_tokens: int, adaptive: bool = False) -> None:
         self.engine = engine
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens  # nodes per tree, root included
         self.stats = SpecStats()
         self.verify_runner: CudaGraphRunner | None = None  # init_graphs: captured verify steps
         self.chain: "ChainLoop | None" = None  # init_graphs: greedy EAGLE chains as one chained graph step
+        self.verify_runners: dict[int, CudaGraphRunner] = {}  # by width (adaptive: the candidate widths)
+        # adaptive speculation (adaptive.py): the width of each step from a cost model and the acceptance
+        self.adaptive = AdaptiveSpec.for_batches(engine.config.max_num_seqs) if adaptive else None
+        self.last_width = 0  # the width the last spec step verified (1 when nothing was drafted)
+        self.used_chain = False  # the last spec step ran as a chained step
         self.profile = StepProfile(engine.device)  # per-phase times, when a benchmark turns it on
 
     @property
@@ -88,16 +97,55 @@ class SpecWorker:
     def step(self, scheduled: list[ScheduledRequest]) -> list[RequestOutput]:
         self._sync_target()
         decoding, rest = [], []
+        ada = self.adaptive
         for s in scheduled:
             r = s.request
-            if s.num_tokens == 1 and r.num_computed_tokens == r.num_tokens - 1 and self.drafter.ready(r):
+            if s.num_tokens == 1 and r.num_computed_tokens == r.num_tokens - 1 and (
+                    self.drafter.ready(r) or (ada is not None and ada.has_deferred(r))):
                 decoding.append(r)
             else:
                 rest.append(s)
+                if ada is not None:  # it extends the draft state itself (a prefill, a recompute)
+                    ada.drop_deferred(r)
         outputs = self._normal_path(rest) if rest else []
         if decoding:
-            outputs += self._spec_step(decoding)
+            outputs += self._adaptive_step(decoding) if ada is not None else self._spec_step(decoding)
         return outputs
+
+    # ---- adaptive speculation: this step's width, a deferred draft_extend, the step's cost -----
+    def widths(self) -> tuple[int, ...]:
+        return candidate_widths(self.num_draft_tokens, self.drafter.uses_trees)
+
+    def _adaptive_step(self, reqs: list[Request]) -> list[RequestOutput]:
+        ada = self.adaptive
+        sync = torch.cuda.synchronize if self.engine.device.type == "cuda" else (lambda: None)
+        width = ada.choose(reqs, self.widths(), self._dummy_forward, sync)
+        start = time.perf_counter()
+        if width > 1:  # the draft state catches up over the plain steps' tokens first
+            ada.flush(reqs, self.drafter)
+        outputs = self._spec_step(reqs, width)
+        if self.used_chain:  # the chain counts its steps and, while it runs on, times them (chain_loop.py)
+            if not self.inflight:
+                ada.costs.observe(len(reqs), self.num_draft_tokens, time.perf_counter() - start)
+            return outputs
+        width = self.last_width  # n-gram: 1 when no request found a match
+        ada.costs.observe(len(reqs), width, time.perf_counter() - start)
+        self.stats.width_histogram[width] = self.stats.width_histogram.get(width, 0) + 1
+        return outputs
+
+    def _dummy_forward(self, batch_size: int, width: int) -> None:
+        """The forward a step of this width runs, on a dummy batch (every slot in the dummy block 0) whose
+        requests sit 256 tokens in: the cost model's measurement."""
+        eng = self.engine
+        ctx = max(1, min(256, eng.config.max_model_len - width))
+        blocks = [0] * -(-(ctx + width) // eng.kv.block_size)
+        reqs = [Request(f"cost-{i}", None, [0], None, None, None, block_table=blocks, num_computed_tokens=ctx)
+                for i in range(batch_size)]
+        trees = [DraftTree.chain(0, [0] * (width - 1)) for _ in reqs]
+        masks = width > 1 and self.drafter.uses_trees
+        batch, _ = verify_batch(reqs, trees, None, width, eng.kv.block_size, self.drafter.capture_hidden_mode,
+                                masks, eng.upload, eng.device)
+        self._verify(batch)
 
     # ---- prefill chunks and undrafted decodes --------------------------------------------
     def _normal_path(self, scheduled: list[ScheduledRequest]) -> list[RequestOutput]:
@@ -126,11 +174,18 @@ class SpecWorker:
         aux-layer set and the draft's shared embedding / lm_head are fixed, so the graphs bind them."""
         self._sync_target()
         eng = self.engine
-        step = ModelStep(eng.model, eng.kv, max_blocks, self.num_draft_tokens, custom_mask=self.drafter.uses_trees,
-                         name="verify")
-        self.verify_runner = CudaGraphRunner(step, config, eng.device)
+        # adaptive: every candidate width (plain steps of a drafter without hidden states use the decode graph)
+        widths = self.widths() if self.adaptive is not None else (self.num_draft_tokens,)
+        plain = self.drafter.capture_hidden_mode == CaptureHiddenMode.NULL
         with torch.inference_mode():
-            self.verify_runner.capture_all(self.drafter.capture_hidden_mode)
+            for w in widths:
+                if w == 1 and plain:
+                    continue
+                step = ModelStep(eng.model, eng.kv, max_blocks, w, custom_mask=w > 1 and self.drafter.uses_trees,
+                                 name=f"verify-{w}")
+                self.verify_runners[w] = CudaGraphRunner(step, config, eng.device)
+                self.verify_runners[w].capture_all(self.drafter.capture_hidden_mode)
+            self.verify_runner = self.verify_runners[self.num_draft_tokens]
             self.drafter.init_graphs(config, max_blocks)
             # TERCEL_SPEC_CHAIN=0: separate draft / verify / extend graphs only (side-by-side measurements)
             chain_step = self.drafter.chain_step(max_blocks) if os.environ.get("TERCEL_SPEC_CHAIN", "1") != "0" else None
@@ -152,13 +207,19 @@ class SpecWorker:
     def _verify(self, batch: ForwardBatch) -> ModelOutput:
         if batch.query_lens[0] == 1 and self.drafter.capture_hidden_mode == CaptureHiddenMode.NULL:
             return self.engine.run_model(batch)  # nothing drafted anywhere: a plain decode step
-        if self.verify_runner is not None:
-            return self.verify_runner.run(batch)
+        runner = self.verify_runners.get(batch.query_lens[0])
+        if runner is not None:
+            return runner.run(batch)
         return self.engine.model(batch, self.engine.kv)
 
     # ---- the spec step -------------------------------------------------------------------
-    def _spec_step(self, reqs: list[Request]) -> list[RequestOutput]:
-        if self.chain is not None and self.chain.eligible(reqs):
+    def _spec_step(self, reqs: list[Request], width: int | None = None) -> list[RequestOutput]:
+        """width: tokens verified per request (None: num_draft_tokens; 1, chosen by the adaptive policy: a
+        plain decode step, nothing drafted, the draft_extend deferred)."""
+        self.used_chain = (self.chain is not None and width in (None, self.num_draft_tokens)
+                           and self.chain.eligible(reqs))
+        if self.used_chain:
+            self.last_width = self.num_draft_tokens
             self.profile.mark("chain")
             outputs = self.chain.start(reqs)
             self.profile.end_step()
@@ -167,13 +228,17 @@ class SpecWorker:
         prof = self.profile
         prof.mark("draft")
         # 1. draft: host trees, or greedy chains that stay on the device until the step's one sync
-        proposal = self.drafter.propose(reqs)
-        width = self.num_draft_tokens
+        plain = width == 1
+        width = width or self.num_draft_tokens
+        proposal = self.drafter.propose(reqs) if not plain else [DraftTree.chain((r.output_token_ids or r.prompt_token_ids)[-1], [])
+                                                                 for r in reqs]
         trees: list[DraftTree] | None = None
         device_tokens = None
         if isinstance(proposal, DeviceChains):
-            device_tokens = proposal.tokens
+            device_tokens = proposal.tokens[:, :width].contiguous()
         else:  # no node past max_model_len; a request past max_tokens stops at its emit
+            if any(not t.is_chain for t in proposal):  # a branching proposal is verified whole (or not at all)
+                width = self.num_draft_tokens
             trees = [t.truncated(max(1, min(width, eng.config.max_model_len - r.num_computed_tokens)))
                      for r, t in zip(reqs, proposal)]
             if max(len(t) for t in trees) == 1 and self.drafter.capture_hidden_mode == CaptureHiddenMode.NULL:
@@ -186,6 +251,7 @@ class SpecWorker:
                                      self.drafter.capture_hidden_mode, masks, eng.upload, eng.device)
         out = self._verify(batch)
         logits = out.logits
+        self.last_width = width
         # 3. accept: greedy on the device for the whole batch; the step's one host sync reads the result
         prof.mark("accept")
         b = len(reqs)
@@ -216,8 +282,11 @@ class SpecWorker:
             k = len(acc.nodes)
             # counted as if the tree stopped at max_tokens: drafts past it are verified but never emitted
             room = max(1, r.params.max_tokens - len(r.output_token_ids))
-            r.metrics.record_verify(min(len(t), room) - 1, min(k, room - 1))
-            self.stats.record(min(len(t), room) - 1, min(k, room - 1))
+            if not plain:
+                r.metrics.record_verify(min(len(t), room) - 1, min(k, room - 1))
+                self.stats.record(min(len(t), room) - 1, min(k, room - 1))
+                if self.adaptive is not None:
+                    self.adaptive.record(r, min(len(t), room) - 1, min(k, room - 1))
             emit = [t.tokens[j] for j in acc.nodes] + [acc.bonus]
             rows = [0] + acc.nodes  # row whose logits produced each emitted token
             for tok, row in zip(emit, rows):
@@ -241,7 +310,9 @@ class SpecWorker:
             eng.kv.v[:, dst] = eng.kv.v[:, src]
         # 5. draft_extend over the accepted tokens of the requests that go on
         prof.mark("extend")
-        if alive:
+        if alive and plain and out.hidden_states is not None:
+            self.adaptive.defer([reqs[i] for i in alive], [offsets[i] for i in alive], out.hidden_states, self.drafter)
+        elif alive:
             self.drafter.after_verify([reqs[i] for i in alive], [trees[i] for i in alive],
                                       [accepted[i] for i in alive], [offsets[i] for i in alive], out.hidden_states)
         prof.end_step()

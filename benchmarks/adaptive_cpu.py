@@ -1,0 +1,112 @@
+"""Adaptive speculation on the CPU: plain decoding vs adaptive EAGLE3 (the bundled head and token map, what
+`tercel generate` runs) vs adaptive NGRAM on SmolLM2 fp32 at batch 1, chat and code prompts, greedy,
+fixed-length outputs; the fixed-width configs (--speculative-adaptive off) for reference. Configs run in
+turns (round-robin) and each keeps its best round, so a busy shared CPU hurts them alike.
+
+Usage: PYTHONPATH=. python benchmarks/adaptive_cpu.py [--new-tokens 64] [--prompts 2] [--rounds 2]
+       [--out benchmarks/results/adaptive_cpu_smollm2.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import environment  # noqa: E402
+
+CONFIGS = {  # name: engine keywords
+    "plain": {},
+    "eagle3-adaptive": dict(speculative_algorithm="EAGLE3", speculative_adaptive=True),
+    "ngram-adaptive": dict(speculative_algorithm="NGRAM", speculative_adaptive=True),
+    "eagle3-fixed": dict(speculative_algorithm="EAGLE3", speculative_adaptive=False),
+    "ngram-fixed": dict(speculative_algorithm="NGRAM", speculative_adaptive=False),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per kind (chat, code)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "adaptive_cpu_smollm2.json"))
+    args = ap.parse_args()
+    import torch
+
+    from tercel import LLM, SamplingParams
+    from tercel.engine import LLMEngine
+    from tercel.spec import DEFAULT_EAGLE3_DRAFT, DEFAULT_EAGLE3_TOKEN_MAP
+    from tercel.train.data import EVAL_CHAT_PROMPTS, EVAL_CODE_PROMPTS
+
+    base = LLM(None, device="cpu", dtype="float32", progress=False, max_num_seqs=1)
+    tok = base.tokenizer
+    kinds = {k: [tok.apply_chat_template([{"role": "user", "content": p}]) for p in ps[:args.prompts]]
+             for k, ps in (("chat", EVAL_CHAT_PROMPTS), ("code", EVAL_CODE_PROMPTS))}
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    names = args.configs.split(",")
+    engines, warmup_s = {}, {}
+    for name in names:
+        kw = dict(CONFIGS[name])
+        if kw.get("speculative_algorithm") == "EAGLE3":
+            kw.update(speculative_draft_model_path=str(DEFAULT_EAGLE3_DRAFT),
+                      speculative_token_map=str(DEFAULT_EAGLE3_TOKEN_MAP))
+        llm = LLM.__new__(LLM)
+        llm.engine = LLMEngine(loaded=base.engine.loaded, device="cpu", dtype=torch.float32, max_num_seqs=1, **kw)
+        t = time.perf_counter()  # first steps: the adaptive cost model measures its forwards here
+        llm.generate(kinds["chat"][:1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        warmup_s[name] = round(time.perf_counter() - t, 3)
+        engines[name] = llm
+    best: dict[tuple[str, str], float] = {}
+    outputs: dict[tuple[str, str], list] = {}
+    for _ in range(args.rounds):
+        for kind, prompts in kinds.items():
+            for name in names:
+                t = time.perf_counter()
+                outs = [engines[name].generate([p], params)[0] for p in prompts]  # batch 1: one at a time
+                wall = time.perf_counter() - t
+                best[name, kind] = min(best.get((name, kind), float("inf")), wall)
+                outputs[name, kind] = [o.outputs[0].token_ids for o in outs]
+    rows = []
+    for kind in kinds:
+        plain_tps = len(kinds[kind]) * args.new_tokens / best["plain", kind]
+        for name in names:
+            tps = len(kinds[kind]) * args.new_tokens / best[name, kind]
+            spec = engines[name].engine.spec
+            rows.append({"config": name, "prompts": kind, "tokens_per_s": round(tps, 2),
+                         "vs_plain": round(tps / plain_tps, 3),
+                         "same_tokens_as_plain": outputs[name, kind] == outputs["plain", kind]})
+            print(f"{kind:5s} {name:16s} {tps:7.2f} tok/s  {tps / plain_tps:.3f}x plain", flush=True)
+    stats = {}
+    for name in names:
+        spec = engines[name].engine.spec
+        if spec is not None:
+            s = spec.stats
+            stats[name] = {"width_histogram_all_runs": {str(k): v for k, v in sorted(s.width_histogram.items())},
+                           "mean_accept_length": s.mean_accept_length}
+            if spec.adaptive is not None:
+                c = spec.adaptive.costs
+                stats[name]["forward_ms"] = {f"bs{b}-w{w}": round(v * 1e3, 2) for (b, w), v in c.forward_s.items()}
+                stats[name]["overhead_ms"] = {f"bs{b}-{'spec' if k else 'plain'}": round(v * 1e3, 2)
+                                              for (b, k), v in c.overhead_s.items()}
+    env = environment()
+    env["command"] = "PYTHONPATH=. python benchmarks/adaptive_cpu.py " + " ".join(sys.argv[1:])
+    payload = {"benchmark": "decode tokens/s at batch 1: plain vs adaptive speculation (and fixed-width for reference)",
+               "environment": env, "load_average_at_end": os.getloadavg(), "dtype": "float32",
+               "model": "SmolLM2-135M-Instruct (default)", "new_tokens": args.new_tokens,
+               "prompts": f"EVAL_CHAT_PROMPTS[:{args.prompts}] and EVAL_CODE_PROMPTS[:{args.prompts}] (chat template), "
+                          f"greedy, ignore_eos, one request at a time (max_num_seqs=1)",
+               "tokens_per_s_definition": "prompts * new_tokens / wall time of the generate() calls (prefill "
+                                          "included); best of the rounds; configs interleaved",
+               "rounds": args.rounds, "first_generate_s (warm-up, includes the cost-model measurement)": warmup_s,
+               "results": rows, "spec_stats": stats}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Adaptive speculation: per step, the number of tokens verified per request (the width; 1 = a plain
+decode step, no drafts) that maximises expected tokens per second.
+
+  cost model   seconds of one step per (batch bucket, width): the target forward, timed on a dummy
+               batch the first time a bucket is used (graph replays where captured, else eager), plus
+               the rest of the step (drafting, draft_extend, acceptance, host work), a moving average
+               of real steps' wall time minus that forward, kept apart for speculative and plain steps
+  accept stats per request, a decayed count of accepted / offered draft positions: alpha, the chance
+               that a draft is accepted given the one before it was (a geometric model)
+  policy       argmax over the candidate widths of sum_r E[accepted + 1 | w, alpha_r] / cost(bucket, w);
+               while the answer stays 1 it still probes the full width now and then (exponential back-off),
+               so acceptance that was low can recover
+
+Plain steps of drafters that read target hidden states (EAGLE, DFlash) keep those states on the request
+(`defer`) instead of running the draft over every token; one draft_extend over all of them (`flush`)
+runs when speculation turns back on or the buffer fills. Nothing here changes which tokens are emitted:
+the worker verifies whatever width is chosen with the same lossless acceptance.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import ConfigError
+from ..request import Request
+from .drafter import Drafter, ExtendedChunk
+
+PRIOR_ALPHA = 0.6  # the first requests' acceptance guess; later ones start from the recent requests' average
+PRIOR_WEIGHT = 2.0  # worth two observed positions, so real verifies take over at once
+DECAY = 0.8  # per verify: the stats follow the text as it changes (code, prose, a repeated list)
+DEFER_CAP = 32  # deferred hidden rows per request before a draft_extend runs anyway (bounds memory)
+
+
+def check_adaptive(value: object) -> bool:
+    """speculative_adaptive as a bool (True / False, or "on" / "off"), else a ConfigError naming the fix."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("on", "off"):
+        return value.lower() == "on"
+    raise ConfigError(f"speculative_adaptive={value!r} must be True or False (CLI: --speculative-adaptive on|off); "
+                      f"off verifies num_draft_tokens on every step.")
+
+
+def expected_tokens(alpha: float, width: int) -> float:
+    """E[accepted + 1] when width - 1 drafts are verified and each is accepted with probability alpha given
+    its parent was: 1 + alpha + ... + alpha^(width - 1)."""
+    if alpha >= 1.0:
+        return float(width)
+    return (1.0 - alpha ** width) / (1.0 - alpha)
+
+
+def candidate_widths(num_draft_tokens: int, branching: bool) -> tuple[int, ...]:
+    """Widths the policy may choose: a chain can be cut anywhere (1, 2, 4, full); a tree is on or off."""
+    if branching:
+        return tuple(sorted({1, num_draft_tokens}))
+    return tuple(sorted({w for w in (1, 2, 4, num_draft_tokens) if w <= num_draft_tokens}))
+
+
+@dataclass(slots=True)
+class RequestAcceptStats:
+    """One request's running acceptance (Request.spec_adaptive) and its deferred target hidden rows."""
+    accepted: float = PRIOR_ALPHA * PRIOR_WEIGHT
+    offered: float = PRIOR_WEIGHT
+    deferred: list[torch.Tensor] = field(default_factory=list)  # [1, H] rows, positions deferred_start ..
+    deferred_start: int = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.offered if self.offered > 0 else PRIOR_ALPHA
+
+    def record(self, drafts: int, accepted: int, decay: float = DECAY) -> None:
+        """A verify offered `drafts` positions and accepted the first `accepted`: accepted + 1 positions were
+        tried (the first rejected one included), unless every draft was accepted."""
+        if drafts <= 0:
+            return
+        tried = accepted + (1 if accepted < drafts else 0)
+        self.accepted = decay * self.accepted + accepted
+        self.offered = decay * self.offered + tried
+
+    def deferred_end(self) -> int:
+        return self.deferred_start + len(self.deferred)
+
+
+def stats_of(r: Request, prior: float = PRIOR_ALPHA) -> RequestAcceptStats:
+    st = r.spec_adaptive
+    if not isinstance(st, RequestAcceptStats):
+        st = r.spec_adaptive = RequestAcceptStats(prior * PRIOR_WEIGHT, PRIOR_WEIGHT)
+    return st
+
+
+def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Powers of two up to max_num_seqs (and max_num_seqs itself): a batch is costed at the next one up."""
+    sizes, b = [], 1
+    while b < max_num_seqs:
+        sizes.append(b)
+        b *= 2
+    return tuple(sizes + [max_num_seqs])
+
+
+@dataclass(slots=True)
+class CostModel:
+    """Step seconds by (batch bucket, width). step_s: the moving average of real steps at that width once
+    one ran; before that the measured target forward (forward_s) plus the rest of a step (overhead_s, key:
+    bucket, speculative?, learnt from the other widths' real steps). An unknown overhead counts as 0, so
+    the first speculative step at a bucket runs and measures what drafting really costs."""
+    buckets: tuple[int, ...]
+    forward_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    overhead_s: dict[tuple[int, bool], float] = field(default_factory=dict)
+    observed_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    smoothing: float = 0.25  # weight of the newest step in the moving averages
+
+    def bucket(self, batch_size: int) -> int:
+        i = bisect.bisect_left(self.buckets, batch_size)
+        return self.buckets[min(i, len(self.buckets) - 1)]
+
+    def knows(self, batch_size: int, widths: Sequence[int]) -> bool:
+        b = self.bucket(batch_size)
+        return all((b, w) in self.forward_s for w in widths)
+
+    def step_s(self, batch_size: int, width: int) -> float:
+        b = self.bucket(batch_size)
+        seen = self.observed_s.get((b, width))
+        if seen is not None:
+            return seen
+        return max(1e-9, self.forward_s[b, width] + self.overhead_s.get((b, width > 1), 0.0))
+
+    def _average(self, table: dict, key: tuple, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else old + self.smoothing * (value - old)
+
+    def observe(self, batch_size: int, width: int, wall_s: float) -> None:
+        """A real step took wall_s: update that width's average and the overhead beyond its forward."""
+        b = self.bucket(batch_size)
+        if (b, width) not in self.forward_s:
+            return
+        self._average(self.observed_s, (b, width), wall_s)
+        self._average(self.overhead_s, (b, width > 1), wall_s - self.forward_s[b, width])
+
+    def measure(self, batch_size: int, widths: Sequence[int], forward: Callable[[int, int], None],
+                sync: Callable[[], None], reps: int = 2, clock: Callable[[], float] = time.perf_counter) -> None:
+        """Time forward(bucket, width) for the widths not known yet at this batch's bucket: a warm-up, then
+        `reps` rounds over the widths in turn, keeping each one's best (other processes only ever add time,
+        and taking turns spreads a busy spell over all widths). A narrower forward never costs more than a
+        wider one: a noisy narrow time is capped at the wider one's."""
+        b = self.bucket(batch_size)
+        todo = sorted(w for w in widths if (b, w) not in self.forward_s)
+        best = dict.fromkeys(todo, float("inf"))
+        for w in todo:
+            forward(b, w)
+        for _ in range(reps):
+            for w in todo:
+                sync()
+                t = clock()
+                forward(b, w)
+                sync()
+                best[w] = min(best[w], clock() - t)
+        self.forward_s.update({(b, w): s for w, s in best.items()})
+        cap = float("inf")
+        for w in sorted((w for bb, w in self.forward_s if bb == b), reverse=True):
+            cap = self.forward_s[b, w] = min(self.forward_s[b, w], cap)
+
+
+@dataclass(slots=True)
+class WidthPolicy:
+    """The width that maximises expected tokens per second; probes the widest one after a run of plain steps
+    (first after probe_first of them, then twice as long each time, up to probe_max)."""
+    probe_first: int = 32
+    probe_max: int = 512
+    plain_run: int = 0
+    probe_every: int = 32
+
+    def best(self, costs: CostModel, batch_size: int, alphas: Sequence[float], widths: Sequence[int]) -> int:
+        rates = [(sum(expected_tokens(a, w) for a in alphas) / costs.step_s(batch_size, w), -w) for w in widths]
+        return -max(rates)[1]  # ties go to the narrower width
+
+    def choose(self, costs: CostModel, batch_size: int, alphas: Sequence[float], widths: Sequence[int]) -> int:
+        w = self.best(costs, batch_size, alphas, widths)
+        if w > 1 or len(widths) == 1:
+            self.plain_run, self.probe_every = 0, self.probe_first
+            return w
+        self.plain_run += 1
+        if self.plain_run < self.probe_every:
+            return 1
+        self.plain_run, self.probe_every = 0, min(2 * self.probe_every, self.probe_max)
+        return max(widths)
+
+
+@dataclass(slots=True)
+class AdaptiveSpec:
+    """The worker's adaptive state: cost model, policy and the chosen-width counts."""
+    costs: CostModel
+    policy: WidthPolicy = field(default_factory=WidthPolicy)
+    defer_cap: int = DEFER_CAP
+    # every request's verifies, decayed slowly: a new request's prior (the same text source, likely)
+    recent: RequestAcceptStats = field(default_factory=RequestAcceptStats)
+
+    @classmethod
+    def for_batches(cls, max_num_seqs: int) -> "AdaptiveSpec":
+        return cls(CostModel(default_buckets(max_num_seqs)))
+
+    def choose(self, reqs: Sequence[Request], widths: Sequence[int], forward: Callable[[int, int], None],
+               sync: Callable[[], None]) -> int:
+        if not self.costs.knows(len(reqs), widths):
+            self.costs.measure(len(reqs), widths, forward, sync)
+            # the first step at a bucket runs the full width: the forwards alone miss what drafting costs and
+            # the acceptance is a prior, so one real step measures both before the policy weighs them
+            return max(widths)
+        prior = self.recent.alpha
+        return self.policy.choose(self.costs, len(reqs), [stats_of(r, prior).alpha for r in reqs], widths)
+
+    def record(self, r: Request, drafts: int, accepted: int) -> None:
+        stats_of(r, self.recent.alpha).record(drafts, accepted)
+        self.recent.record(drafts, accepted, decay=0.95)
+
+    # ---- deferred draft_extend ---------------------------------------------------------------
+    @staticmethod
+    def has_deferred(r: Request) -> bool:
+        """Does r's deferred buffer bring its draft state up to num_computed_tokens?"""
+        st = r.spec_adaptive
+        return isinstance(st, RequestAcceptStats) and bool(st.deferred) and st.deferred_end() == r.num_computed_tokens
+
+    @staticmethod
+    def drop_deferred(r: Request) -> None:
+        if isinstance(r.spec_adaptive, RequestAcceptStats):
+            r.spec_adaptive.deferred.clear()
+
+    def defer(self, reqs: Sequence[Request], rows: Sequence[int], hidden: torch.Tensor, drafter: Drafter) -> None:
+        """Plain step done (num_computed_tokens counts it): keep each request's hidden row for a later
+        draft_extend; a full buffer is extended now."""
+        full = []
+        for r, row in zip(reqs, rows):
+            st = stats_of(r)
+            if not st.deferred:
+                st.deferred_start = r.num_computed_tokens - 1
+            st.deferred.append(hidden[row:row + 1].clone())  # graph outputs are overwritten by the next replay
+            if len(st.deferred) >= self.defer_cap:
+                full.append(r)
+        if full:
+            self.flush(full, drafter)
+
+    def flush(self, reqs: Sequence[Request], drafter: Drafter) -> None:
+        """One draft_extend (the drafter's after_extend) over every deferred row of these requests."""
+        pending = [r for r in reqs if self.has_deferred(r)]
+        if not pending:
+            return
+        chunks, rows, offset = [], [], 0
+        for r in pending:
+            st = stats_of(r)
+            chunks.append(ExtendedChunk(r, st.deferred_start, st.deferred_end(), offset))
+            offset += len(st.deferred)
+            rows += st.deferred
+            st.deferred = []
+        drafter.after_extend(chunks, torch.cat(rows))

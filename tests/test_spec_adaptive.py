@@ -1,0 +1,183 @@
+"""Adaptive speculation: the policy picks the width (tokens verified per request; 1 = plain decoding) that
+maximises expected tokens per second under a cost model and the running acceptance, and whatever it picks,
+greedy output equals plain output token for token (fp32, CPU), also when it switches between plain and
+speculative steps mid-generation (EAGLE-3 / DFlash then defer and batch their draft_extend)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from spec_utils import spec_llm
+from tercel import SamplingParams
+from tercel.config import ConfigError
+from tercel.spec import DEFAULT_EAGLE3_DRAFT
+from tercel.spec.adaptive import (CostModel, RequestAcceptStats, WidthPolicy, candidate_widths, check_adaptive,
+                                  expected_tokens)
+
+WIDTHS = (1, 2, 4, 6)
+
+
+def _costs(forward: dict[int, float], bucket: int = 1, overhead: float = 0.0) -> CostModel:
+    """A synthetic cost model: forward seconds by width at one bucket, the same overhead on spec steps."""
+    costs = CostModel((bucket,), {(bucket, w): s for w, s in forward.items()})
+    costs.overhead_s[bucket, True] = overhead
+    return costs
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.0, 6) == 1.0
+    assert expected_tokens(1.0, 6) == 6.0
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_plain_when_verify_costs_more_than_it_gains():
+    # verify costs 3x a decode step; acceptance 0.5 gives at most 2 tokens per step
+    costs = _costs({1: 0.010, 2: 0.030, 4: 0.031, 6: 0.032})
+    assert WidthPolicy().best(costs, 1, [0.5], WIDTHS) == 1
+
+
+def test_full_width_when_acceptance_is_high_and_verify_cheap():
+    costs = _costs({1: 0.010, 2: 0.011, 4: 0.012, 6: 0.013})
+    assert WidthPolicy().best(costs, 1, [0.9], WIDTHS) == 6
+
+
+def test_an_intermediate_width_when_it_maximises_tokens_per_second():
+    # 0.7 per position: 1.7 tokens at width 2 (11 ms), 2.53 at 4 (12 ms), 3.04 at 6 (30 ms)
+    costs = _costs({1: 0.010, 2: 0.011, 4: 0.012, 6: 0.030})
+    assert WidthPolicy().best(costs, 1, [0.7], WIDTHS) == 4
+    # the draft's cost counts: a dear draft turns the same step off
+    assert WidthPolicy().best(_costs({1: 0.010, 2: 0.011, 4: 0.012, 6: 0.030}, overhead=0.03), 1, [0.7], WIDTHS) == 1
+
+
+def test_the_batch_is_costed_as_a_whole():
+    # one request that accepts everything does not carry seven that accept nothing
+    costs = _costs({1: 0.010, 2: 0.016, 4: 0.02, 6: 0.024}, bucket=8)
+    assert WidthPolicy().best(costs, 8, [1.0] + [0.0] * 7, WIDTHS) == 1
+    assert WidthPolicy().best(costs, 8, [0.9] * 8, WIDTHS) == 6
+
+
+def test_plain_steps_probe_with_exponential_back_off():
+    costs = _costs({1: 0.010, 2: 0.030, 4: 0.031, 6: 0.032})
+    policy = WidthPolicy(probe_first=4, probe_max=16, probe_every=4)
+    picks = [policy.choose(costs, 1, [0.1], WIDTHS) for _ in range(4 + 8 + 16 + 16)]
+    probes = [i for i, w in enumerate(picks) if w > 1]
+    assert probes == [3, 11, 27, 43] and all(picks[i] == 6 for i in probes)
+
+
+def test_acceptance_stats_follow_the_verifies():
+    st = RequestAcceptStats()
+    for _ in range(20):
+        st.record(5, 5)  # every draft accepted
+    assert st.alpha > 0.95
+    for _ in range(20):
+        st.record(5, 0)  # the first draft rejected
+    assert st.alpha < 0.1
+    before = st.alpha
+    st.record(0, 0)  # nothing offered: no evidence
+    assert st.alpha == before
+
+
+def test_cost_model_buckets_and_overheads():
+    costs = CostModel((1, 4, 16), {(4, 1): 0.01, (4, 6): 0.02})
+    assert [costs.bucket(b) for b in (1, 2, 4, 5, 100)] == [1, 4, 4, 16, 16]
+    assert costs.knows(3, (1, 6)) and not costs.knows(1, (1,))
+    costs.forward_s[4, 4] = 0.015
+    costs.observe(3, 6, 0.05)  # 30 ms beyond the forward
+    assert costs.step_s(4, 6) == pytest.approx(0.05) and costs.step_s(4, 1) == pytest.approx(0.01)
+    assert costs.step_s(4, 4) == pytest.approx(0.045)  # never ran: its forward + the spec steps' overhead
+    costs.observe(4, 6, 0.09)  # real steps move the average
+    assert costs.step_s(4, 6) == pytest.approx(0.06)
+
+
+def test_measuring_takes_turns_and_caps_noisy_narrow_widths():
+    durations = [0.050, 0.020, 0.030, 0.040, 0.019, 0.031]  # widths 1, 2, 4 in turn, two rounds
+    ticks = [t for i in range(len(durations)) for t in (sum(durations[:i]), sum(durations[:i + 1]))]
+    clock = iter(ticks).__next__
+    calls = []
+    costs = CostModel((1,))
+    costs.measure(1, (1, 2, 4), lambda b, w: calls.append(w), lambda: None, reps=2, clock=clock)
+    assert calls == [1, 2, 4] * 3  # a warm-up each, then two rounds taking turns
+    # width 1's best (40 ms) was a busy spell: capped at width 2's 19 ms
+    assert costs.forward_s == pytest.approx({(1, 1): 0.019, (1, 2): 0.019, (1, 4): 0.030})
+
+
+def test_candidate_widths_and_the_on_off_setting():
+    assert candidate_widths(6, branching=False) == (1, 2, 4, 6)
+    assert candidate_widths(3, branching=False) == (1, 2, 3)
+    assert candidate_widths(16, branching=True) == (1, 16)
+    assert check_adaptive("OFF") is False and check_adaptive(True) is True
+    with pytest.raises(ConfigError, match="speculative_adaptive='sometimes'.*on\\|off"):
+        check_adaptive("sometimes")
+
+
+# ---- lossless, whatever the policy picks -------------------------------------------------------
+
+class CyclePolicy:
+    """Stands in for WidthPolicy: the widths in a fixed cycle (clipped to the candidates), so steps switch
+    between plain and speculative mid-generation."""
+
+    def __init__(self, cycle: list[int]) -> None:
+        self.cycle = itertools.cycle(cycle)
+
+    def choose(self, costs, batch_size, alphas, widths) -> int:
+        want = next(self.cycle)
+        return max(w for w in widths if w <= want)
+
+
+@pytest.fixture(scope="module")
+def prompts(smol_llm, smol_chat_ids):
+    tok = smol_llm.tokenizer
+    return smol_chat_ids[:2] + [tok.encode("The quick brown fox. " * 6)]
+
+
+@pytest.fixture(scope="module")
+def plain(smol_llm, prompts):
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in smol_llm.generate(prompts, params)]
+
+
+SWITCHING = {
+    "ngram": (dict(speculative_algorithm="NGRAM"), [1, 6, 1, 1, 2, 4]),
+    "eagle3-chain": (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(DEFAULT_EAGLE3_DRAFT)),
+                     [1, 1, 6, 1, 2, 4, 1, 1, 1, 6]),
+    "eagle3-tree": (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(DEFAULT_EAGLE3_DRAFT),
+                         speculative_eagle_topk=4, speculative_num_draft_tokens=8), [1, 8, 1, 1, 8]),
+    "dflash": (dict(speculative_algorithm="DFLASH", speculative_num_draft_tokens=8), [1, 1, 8, 4, 1, 2]),
+}
+
+
+@pytest.mark.parametrize("name", list(SWITCHING))
+def test_switching_between_plain_and_speculative_steps_is_lossless(smol_llm, prompts, plain, name):
+    kw, cycle = SWITCHING[name]
+    for batch in (prompts, prompts[:1]):
+        llm = spec_llm(smol_llm, max_num_seqs=len(batch), **kw)
+        llm.engine.spec.adaptive.policy = CyclePolicy(cycle)
+        llm.engine.spec.adaptive.defer_cap = 3  # plain runs longer than this extend the draft mid-run too
+        outs = llm.generate(batch, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == plain[:len(batch)]
+        stats = llm.engine.spec_stats()
+        assert stats.width_histogram.get(1, 0) > 0 and sum(n for w, n in stats.width_histogram.items() if w > 1) > 0
+        assert stats.accepted_tokens > 0  # drafts made after deferred extends still get accepted
+        assert llm.engine.stats().kv_blocks_used == 0
+
+
+def test_switching_under_graphs_replays_every_width(smol_llm, prompts, plain):
+    """CPU breakable-debug graphs: each candidate width has its verify graph, and they all replay."""
+    llm = spec_llm(smol_llm, cuda_graph_backend="breakable-debug", max_model_len=320, cuda_graph_max_bs=4,
+                   speculative_algorithm="EAGLE3", speculative_draft_model_path=str(DEFAULT_EAGLE3_DRAFT))
+    spec = llm.engine.spec
+    assert sorted(spec.verify_runners) == [1, 2, 4, 6]
+    spec.adaptive.policy = CyclePolicy([1, 2, 4, 6, 1])
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert all(r.stats.replays > 0 and r.stats.eager == 0 for r in spec.verify_runners.values())
+
+
+def test_adaptive_off_verifies_the_full_width_every_step(smol_llm, prompts, plain):
+    llm = spec_llm(smol_llm, speculative_algorithm="NGRAM", speculative_adaptive="off")
+    assert llm.engine.spec.adaptive is None
+    outs = llm.generate(prompts[2:], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    assert outs[0].outputs[0].token_ids == plain[2] and llm.engine.spec_stats().width_histogram == {}
+    with pytest.raises(ConfigError, match="speculative_adaptive"):
+        spec_llm(smol_llm, speculative_algorithm="NGRAM", speculative_adaptive="auto")
