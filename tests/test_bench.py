@@ -52,7 +52,8 @@ def test_spec_stats_delta_reads_every_counter_and_histogram():
     s.record(4, 3)
     s.record(4, 0)
     d = stats_delta(before, stats_snapshot(s))
-    assert d == {"verify_steps": 2, "draft_tokens": 8, "accepted_tokens": 3, "accept_histogram": [1, 0, 0, 1]}
+    assert d == {"verify_steps": 2, "draft_tokens": 8, "accepted_tokens": 3, "accept_histogram": [1, 0, 0, 1],
+                 "width_histogram": {}}
 
 
 def test_bad_flags_fail_fast_with_one_line():
@@ -68,8 +69,9 @@ def test_bad_flags_fail_fast_with_one_line():
 # ---- offline ------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_offline_sweep_on_smollm2(tmp_path):
+    # adaptive off: at 8 tokens on this CPU the policy would rightly pick plain steps, and the test reads verifies
     r = bench("offline", "--algorithms", "NONE,NGRAM", "--concurrency", "1,2", "--output-len", "8",
-              "--num-prompts", "2", "--out-dir", str(tmp_path), "--name", "sweep")
+              "--num-prompts", "2", "--speculative-adaptive", "off", "--out-dir", str(tmp_path), "--name", "sweep")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "NGRAM" in r.stdout and "api/token-id" in r.stdout  # the table
     d = json.loads((tmp_path / "sweep.json").read_text())
@@ -162,8 +164,9 @@ def test_serve_against_tercel_serve(tiny_server, tmp_path):
     for row in d["results"]:
         assert row["num_requests"] == row["completed"] == 6 and row["errors"] == 0 and row["error_samples"] == []
         assert row["output_tokens"] == 6 * 8  # ignore_eos, counted from the stream's usage
-        assert row["output_tok_s"] == pytest.approx(row["output_tokens"] / row["duration_s"], rel=0.01)
-        assert row["request_throughput"] == pytest.approx(6 / row["duration_s"], rel=0.01)
+        # (duration_s is rounded in the file: a short run's ratio is off by up to a few %)
+        assert row["output_tok_s"] == pytest.approx(row["output_tokens"] / row["duration_s"], rel=0.05)
+        assert row["request_throughput"] == pytest.approx(6 / row["duration_s"], rel=0.05)
         for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
             q = row[key]
             assert 0 < q["p50"] <= q["p90"] <= q["p99"] < 120_000, (key, q)

@@ -107,6 +107,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--speculative-num-draft-tokens", type=_positive, default=None, help="tokens verified per step")
     g.add_argument("--speculative-ddtree-budget", type=_positive, default=None, help="DDTREE tree nodes (2..64)")
     g.add_argument("--speculative-token-map", default=None, help="EAGLE/EAGLE3 hot-token list (.pt or .json)")
+    g.add_argument("--speculative-adaptive", default="on", type=str.lower, choices=("on", "off"),
+                   help="on (default): each step's draft width from measured costs and acceptance; off: full width")
     _add_output_args(off, "offline")
     off.set_defaults(func=run_offline_cmd)
 
@@ -221,7 +223,8 @@ def offline_config(args):
     spec = SpecOptions(num_steps=args.speculative_num_steps, eagle_topk=args.speculative_eagle_topk,
                        num_draft_tokens=args.speculative_num_draft_tokens,
                        ddtree_budget=args.speculative_ddtree_budget, token_map=args.speculative_token_map,
-                       eagle_draft=args.eagle_draft, dflash_draft=args.dflash_draft)
+                       eagle_draft=args.eagle_draft, dflash_draft=args.dflash_draft,
+                       adaptive=args.speculative_adaptive == "on")
     return OfflineConfig(model=args.model, algorithms=tuple(args.algorithms),
                          concurrency=tuple(sorted(args.concurrency)),
                          output_lens=tuple(args.output_len), num_prompts=args.num_prompts,

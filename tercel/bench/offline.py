@@ -36,6 +36,7 @@ class SpecOptions:
     token_map: str | None = None
     eagle_draft: str | None = None  # EAGLE / EAGLE3 draft directory
     dflash_draft: str | None = None  # DFLASH / DDTREE draft directory
+    adaptive: bool = True  # adaptive speculation (the engine's default); False: the full width every step
 
     def engine_kwargs(self, algorithm: str) -> dict:
         if algorithm == "NONE":
@@ -47,7 +48,7 @@ class SpecOptions:
                     speculative_num_steps=self.num_steps, speculative_eagle_topk=self.eagle_topk if eagle else None,
                     speculative_num_draft_tokens=self.num_draft_tokens,
                     speculative_ddtree_budget=self.ddtree_budget if algorithm == "DDTREE" else None,
-                    speculative_token_map=self.token_map if eagle else None)
+                    speculative_token_map=self.token_map if eagle else None, speculative_adaptive=self.adaptive)
 
 
 @dataclass(slots=True, frozen=True)
