@@ -24,7 +24,8 @@ def test_greedy_tokens_and_accept_lengths_equal_the_reference(smol_llm, smol_hf,
     ours = LLM.__new__(LLM)
     ours.engine = LLMEngine(loaded=smol_llm.engine.loaded, dtype="float32", device="cpu", max_model_len=2048,
                             max_num_seqs=1, speculative_algorithm="DFLASH",
-                            speculative_draft_model_path=DEFAULT_DFLASH_DRAFT)
+                            speculative_draft_model_path=DEFAULT_DFLASH_DRAFT,
+                            speculative_adaptive=False)  # the reference verifies a full block every step
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     for ids in smol_chat_ids[:5]:
         stats = ref_model.dflash_generate(draft, smol_hf, torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
