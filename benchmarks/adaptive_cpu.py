@@ -39,7 +39,7 @@ def main() -> None:
 
     from tercel import LLM, SamplingParams
     from tercel.engine import LLMEngine
-    from tercel.spec import DEFAULT_EAGLE3_DRAFT, DEFAULT_EAGLE3_TOKEN_MAP
+    from tercel.speculative import DEFAULT_EAGLE3_DRAFT, DEFAULT_EAGLE3_TOKEN_MAP
     from tercel.train.data import EVAL_CHAT_PROMPTS, EVAL_CODE_PROMPTS
 
     base = LLM(None, device="cpu", dtype="float32", progress=False, max_num_seqs=1)

@@ -25,7 +25,7 @@ def main() -> None:
     from conftest import CHAT_PROMPTS
     from spec_utils import spec_llm
     from tercel import LLM, SamplingParams
-    from tercel.spec import DEFAULT_EAGLE3_DRAFT
+    from tercel.speculative import DEFAULT_EAGLE3_DRAFT
 
     gguf = os.environ["TERCEL_SMOL_GGUF"]
     e3 = dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1, speculative_draft_model_path=DEFAULT_EAGLE3_DRAFT,

@@ -88,7 +88,7 @@ def main() -> None:
     torch.manual_seed(0)
     draft = args.draft
     if draft is None:
-        from tercel.spec import DEFAULT_EAGLE3_DRAFT
+        from tercel.speculative import DEFAULT_EAGLE3_DRAFT
         draft = str(DEFAULT_EAGLE3_DRAFT)
     temps = [float(t) for t in args.temps.split(",")]
     results = run(args.model, draft, args.device, args.max_tokens, temps,

@@ -76,7 +76,7 @@ def main() -> None:
 
     from tercel import LLM, SamplingParams
     from tercel.engine import LLMEngine
-    from tercel.spec import DEFAULT_DFLASH_DRAFT, DEFAULT_EAGLE3_DRAFT, DEFAULT_EAGLE3_TOKEN_MAP
+    from tercel.speculative import DEFAULT_DFLASH_DRAFT, DEFAULT_EAGLE3_DRAFT, DEFAULT_EAGLE3_TOKEN_MAP
     from tercel.train.data import EVAL_CHAT_PROMPTS, EVAL_CODE_PROMPTS
 
     draft = args.draft or str(DEFAULT_EAGLE3_DRAFT)

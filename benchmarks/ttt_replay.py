@@ -82,7 +82,7 @@ def main() -> None:
     from tercel import LLM, SamplingParams
     from tercel.engine import LLMEngine
     from tercel.models.eagle3 import load_eagle_draft
-    from tercel.spec import DEFAULT_EAGLE3_DRAFT
+    from tercel.speculative import DEFAULT_EAGLE3_DRAFT
     from tercel.train.data import EVAL_CHAT_PROMPTS, EVAL_CODE_PROMPTS
 
     torch.manual_seed(0)

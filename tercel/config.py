@@ -10,14 +10,12 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from .options import (Option, Spelling, any_int, boolean, on_off, fraction, int_in, int_list, one_of, option, parse_float,
+from .options import (ConfigError, Option, Spelling, any_int, boolean, on_off, fraction, int_in, int_list, one_of, option, parse_float,
                       parse_int, parse_int_list, parse_size, path_like, positive_int, python_spelling)
 
+from .speculative.config import SPECULATIVE_ALGORITHMS, SpeculativeConfig
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class ConfigError(ValueError):
-    """A checkpoint or engine setting Tercel cannot serve; the message names the value and the fix."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -117,7 +115,6 @@ class ModelConfig:
 
 DTYPE_NAMES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                "float16": "float16", "fp16": "float16", "half": "float16"}
-SPECULATIVE_ALGORITHMS = ("AUTO", "NONE", "NGRAM", "EAGLE", "EAGLE3", "DFLASH", "DDTREE")
 
 
 def _check_dtype(v: object, spell: Spelling) -> str | None:
@@ -213,48 +210,6 @@ class CudaGraphConfig:
                                              "static buffers", parse=str,
                                      check=one_of("full", "breakable", "breakable-debug"),
                                      choices=("full", "breakable", "breakable-debug"))
-
-
-@dataclass(slots=True)
-class SpeculativeConfig:
-    """speculative decoding (SGLang's flags)"""
-
-    algorithm: str | None = option(
-        None, "AUTO: EAGLE3 with the bundled draft and its token map on the default model on the CPU, else off "
-              "(generate's default); NONE: plain decoding (serve's default); or NGRAM, EAGLE, EAGLE3, DFLASH, DDTREE",
-        parse=str.upper, check=one_of(*SPECULATIVE_ALGORITHMS, optional=True, upper=True),
-        choices=SPECULATIVE_ALGORITHMS)
-    draft_model_path: Any = option(None, "EAGLE / EAGLE-3 / DFlash draft directory (DFLASH/DDTREE on the default "
-                                         "model: the bundled one)", parse=str, check=path_like, metavar="DIR")
-    num_steps: int | None = option(None, "draft depth (default 5)", parse=parse_int, check=positive_int(optional=True))
-    eagle_topk: int | None = option(None, "branches per draft step (1: chain)", parse=parse_int,
-                                    check=positive_int(optional=True))
-    num_draft_tokens: int | None = option(None, "tree nodes verified per step, root included (chain: num_steps + 1); "
-                                                "DFLASH/DDTREE: the block size (default: the checkpoint's)",
-                                          parse=parse_int, check=positive_int(optional=True))
-    ddtree_budget: int | None = option(None, "DDTREE: draft nodes in the verified tree, 2..64 (default 16)",
-                                       parse=parse_int, check=int_in(2, 64, optional=True))
-    token_map: Any = option(None, "EAGLE/EAGLE3: a .pt or .json list of target token ids the draft may propose (hot "
-                                  "tokens); each draft step's head then covers only them", parse=str, check=path_like,
-                     metavar="FILE")
-    adaptive: Any = option(True, "on (default): each step verifies the number of draft tokens that maximises expected "
-                                 "tokens/s (measured step costs, running acceptance), down to plain decoding; off: "
-                                 "num-draft-tokens every step", parse=str.lower, check=on_off, choices=("on", "off"))
-
-    def resolve_auto(self, default_model: bool, on_cpu: bool) -> "SpeculativeConfig":
-        """AUTO: EAGLE3 with the bundled head and its token map on the default model on the CPU; else off.
-        On a GPU plain decoding replays CUDA graphs while speculative steps run eagerly, ~10x slower on
-        SmolLM2 (benchmarks/results/h200_logs/spec_speed_console_a74fe93.log)."""
-        if self.algorithm is None or self.algorithm.upper() != "AUTO":
-            return self
-        if not (default_model and on_cpu):
-            return replace(self, algorithm=None)
-        token_map = self.token_map
-        if self.draft_model_path is None and token_map is None:
-            from .spec import DEFAULT_EAGLE3_TOKEN_MAP
-
-            token_map = str(DEFAULT_EAGLE3_TOKEN_MAP)  # the bundled head's hot tokens: faster CPU draft steps
-        return replace(self, algorithm="EAGLE3", token_map=token_map)
 
 
 @dataclass(slots=True)

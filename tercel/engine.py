@@ -174,9 +174,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._lock = threading.RLock()  # add/abort may come from another thread (the server)
-        # Speculative decoding (tercel.spec): None keeps the plain decode path.
-        from .spec import build_spec_worker
-        from .spec.adaptive import check_adaptive
+        # Speculative decoding (tercel.speculative): None keeps the plain decode path.
+        from .speculative import build_spec_worker
+        from .speculative.adaptive import check_adaptive
 
         default_model = _is_default_model(loaded.path)
         sp = config.speculative = config.speculative.resolve_auto(default_model, self.device.type == "cpu")
@@ -303,7 +303,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def spec_stats(self):
-        """Engine-wide speculative decoding counters (tercel.spec.worker.SpecStats), or None when off."""
+        """Engine-wide speculative decoding counters (tercel.speculative.worker.SpecStats), or None when off."""
         return None if self.spec is None else self.spec.stats
 
     def stats(self) -> EngineStats:
@@ -320,7 +320,7 @@ class LLMEngine:
                     return outputs
                 # nothing to report and nothing in flight (that window's requests stopped or were aborted, or
                 # they want FINAL_ONLY outputs and the batch changed): schedule afresh now
-            if self.spec is not None and self.spec.inflight:  # a chained speculative step (spec/chain_loop.py)
+            if self.spec is not None and self.spec.inflight:  # a chained speculative step (speculative/chain_loop.py)
                 outputs = self.spec.advance()
                 if outputs or self.spec.inflight:
                     return outputs

@@ -12,6 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+class ConfigError(ValueError):
+    """A checkpoint or engine setting Tercel cannot serve; the message names the value and the fix."""
+
+
 # How a setting is written where an error is reported: `device='cpu'` in Python, `--device cpu` on a CLI.
 Spelling = Callable[[str, object], str]
 Check = Callable[[Any, Spelling], "str | None"]  # the problem with a value ("must be ..."), or None

@@ -41,8 +41,8 @@ class Request:
     sent_text_len: int = 0  # streaming: text already handed out
     sent_token_len: int = 0
     eos_token_ids: frozenset[int] = frozenset()  # empty when ignore_eos
-    spec_state: object | None = None  # the drafter's per-request state (tercel.spec), if any
-    spec_adaptive: object | None = None  # adaptive speculation's running acceptance (tercel.spec.adaptive)
+    spec_state: object | None = None  # the drafter's per-request state (tercel.speculative), if any
+    spec_adaptive: object | None = None  # adaptive speculation's running acceptance (tercel.speculative.adaptive)
     # token draws come from a counter-based stream: draw k's noise is a hash of (seed, k) (tercel.sampling)
     seed: int = 0
     draws: int = 0

@@ -8,8 +8,8 @@ import pytest
 from tercel import LLM
 from tercel.engine import LLMEngine
 from tercel.request import Request
-from tercel.spec.drafter import Drafter
-from tercel.spec.tree import DraftTree
+from tercel.speculative.drafter import Drafter
+from tercel.speculative.tree import DraftTree
 
 # The full greedy-lossless matrices (every config x batch 1 and 8 x all 20 SmolLM2 prompts x 64 tokens) take
 # tens of CPU minutes, so CI runs spread subsets; TERCEL_FULL_LOSSLESS=1 runs them

@@ -13,7 +13,7 @@ import pytest
 from server_harness import REPO, ServerProcess, tiny_server_args
 from tercel.bench.offline import stats_delta, stats_snapshot
 from tercel.bench.report import percentile
-from tercel.spec.worker import SpecStats
+from tercel.speculative.worker import SpecStats
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

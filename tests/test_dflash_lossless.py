@@ -97,7 +97,7 @@ def smol_plain(smol_llm, smol_prompts):
 
 def _spec_llm(smol_llm, algo: str, **kw) -> LLM:
     from tercel.engine import LLMEngine
-    from tercel.spec import DEFAULT_DFLASH_DRAFT
+    from tercel.speculative import DEFAULT_DFLASH_DRAFT
 
     llm = LLM.__new__(LLM)
     llm.engine = LLMEngine(loaded=smol_llm.engine.loaded, dtype="float32", device="cpu", max_model_len=2048,

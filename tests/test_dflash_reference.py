@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tercel import LLM, SamplingParams
-from tercel.spec import DEFAULT_DFLASH_DRAFT
+from tercel.speculative import DEFAULT_DFLASH_DRAFT
 
 ref_model = pytest.importorskip("dflash.model", reason="the dflash reference package is not installed")
 

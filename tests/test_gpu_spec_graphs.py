@@ -11,7 +11,7 @@ import torch
 from conftest import CHAT_PROMPTS, smollm2_gguf_or_skip
 from spec_utils import spec_llm
 from tercel import LLM, SamplingParams
-from tercel.spec import DEFAULT_DFLASH_DRAFT, DEFAULT_EAGLE3_DRAFT
+from tercel.speculative import DEFAULT_DFLASH_DRAFT, DEFAULT_EAGLE3_DRAFT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

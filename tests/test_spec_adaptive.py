@@ -11,8 +11,8 @@ import pytest
 from spec_utils import spec_llm
 from tercel import SamplingParams
 from tercel.config import ConfigError
-from tercel.spec import DEFAULT_EAGLE3_DRAFT
-from tercel.spec.adaptive import (CostModel, RequestAcceptStats, WidthPolicy, candidate_widths, check_adaptive,
+from tercel.speculative import DEFAULT_EAGLE3_DRAFT
+from tercel.speculative.adaptive import (CostModel, RequestAcceptStats, WidthPolicy, candidate_widths, check_adaptive,
                                   expected_tokens)
 
 WIDTHS = (1, 2, 4, 6)

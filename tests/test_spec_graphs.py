@@ -14,8 +14,8 @@ import torch
 
 from spec_utils import spec_llm
 from tercel import SamplingParams
-from tercel.spec.tree import DraftTree
-from tercel.spec.verify import accept_greedy, accept_greedy_batched
+from tercel.speculative.tree import DraftTree
+from tercel.speculative.verify import accept_greedy, accept_greedy_batched
 
 GRAPHS = dict(cuda_graph_backend="breakable-debug", max_model_len=320)
 ALGOS = {

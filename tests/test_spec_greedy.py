@@ -10,8 +10,8 @@ import transformers
 
 from spec_utils import OracleTreeDrafter, full_lossless, spec_llm
 from tercel import LLM, SamplingParams
-from tercel.spec import DEFAULT_EAGLE3_DRAFT, DEFAULT_EAGLE3_TOKEN_MAP
-from tercel.spec.ngram import ngram_lookup
+from tercel.speculative import DEFAULT_EAGLE3_DRAFT, DEFAULT_EAGLE3_TOKEN_MAP
+from tercel.speculative.ngram import ngram_lookup
 from tercel.train.export import random_eagle3
 
 transformers.logging.set_verbosity_error()

@@ -11,7 +11,7 @@ from spec_utils import spec_llm, tiny_llama_target
 from tercel import LLM, SamplingParams
 from tercel.config import ConfigError
 from tercel.models.eagle3 import load_eagle_draft
-from tercel.spec.token_map import load_token_map
+from tercel.speculative.token_map import load_token_map
 from tercel.train.export import random_eagle3
 
 VOCAB = 64
@@ -118,7 +118,7 @@ def test_hot_token_ids_rank_answers_then_prompts():
 def test_smollm2_with_the_bundled_token_map_equals_plain(smol_llm):
     """The bundled head through its bundled map (what `tercel generate` runs on the CPU): plain greedy
     output, batch 1 and a batch of mixed lengths, chain and tree."""
-    from tercel.spec import DEFAULT_EAGLE3_TOKEN_MAP
+    from tercel.speculative import DEFAULT_EAGLE3_TOKEN_MAP
 
     tok = smol_llm.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in

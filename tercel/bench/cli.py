@@ -180,7 +180,7 @@ def _command() -> str:
 def check_offline_args(args) -> str | None:
     """Every check that needs no model: the one-line message, or None."""
     from ..config import ConfigError
-    from ..spec import SpecConfig
+    from ..speculative import SpecConfig
     from .offline import target_shape
     from .shapes import SHAPES
 

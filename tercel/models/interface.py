@@ -1,4 +1,4 @@
-"""What the engine, the speculative drafters (tercel.spec), the graph runners (tercel.graphs) and the
+"""What the engine, the speculative drafters (tercel.speculative), the graph runners (tercel.graphs) and the
 loader use of a target model: a family's model class implements this and registers in models.registry.
 
 Constructor: cls(cfg: ModelConfig, max_positions: int, dtype: torch.dtype, attn_backend: AttentionBackend),

@@ -1,34 +1,18 @@
-"""Speculative decoding: drafters (n-gram, EAGLE / EAGLE-3), draft trees, lossless verification and
-the one spec step they share (worker.py). SGLang's argument names and semantics:
-
-  speculative_algorithm        NGRAM | EAGLE | EAGLE3 (None / "NONE": off)
-  speculative_draft_model_path the EAGLE / EAGLE-3 draft directory (EAGLE3 on the default model: the
-                               bundled SmolLM2 head, tercel/drafts/smollm2-eagle3)
-  speculative_num_steps        draft depth (default 5)
-  speculative_eagle_topk       branches per step (default 1: a chain)
-  speculative_num_draft_tokens tree nodes verified per step, root included (chain: num_steps + 1);
-                               DFLASH / DDTREE: the block size (default: the checkpoint's)
-  speculative_ddtree_budget    DDTREE: draft nodes in the tree (2..64; default 16)
-  speculative_adaptive         True (default): each step verifies the width that maximises expected tokens/s,
-                               down to a plain decode step (adaptive.py); False: num_draft_tokens every step
-
-DFLASH | DDTREE take a DFlash draft directory (z-lab format) as speculative_draft_model_path.
-"""
+"""Speculative decoding's settings: the `speculative` section of the engine's settings tree (the
+`speculative_*` keyword arguments and flags) and SpecConfig, the resolved choice the worker is built from.
+No torch import: `--help` reads this module."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
-from ..config import ConfigError
-from .worker import SpecStats, SpecWorker
-
-if TYPE_CHECKING:
-    from ..engine import LLMEngine
+from ..options import (ConfigError, on_off, one_of, option, parse_int, path_like, positive_int, int_in)
 
 log = logging.getLogger(__name__)
 
+SPECULATIVE_ALGORITHMS = ("AUTO", "NONE", "NGRAM", "EAGLE", "EAGLE3", "DFLASH", "DDTREE")
 ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "DFLASH", "DDTREE")
 DEFAULT_DRAFTS_DIR = Path(__file__).resolve().parent.parent / "drafts"
 DEFAULT_EAGLE3_DRAFT = DEFAULT_DRAFTS_DIR / "smollm2-eagle3"
@@ -112,30 +96,41 @@ class SpecConfig:
         return cls(algo, path, steps, k, n, token_map=Path(token_map).expanduser() if token_map is not None else None)
 
 
-def build_spec_worker(engine: "LLMEngine", algorithm: str | None, draft_path: str | Path | None,
-                      num_steps: int | None, topk: int | None, num_draft_tokens: int | None,
-                      default_model: bool = False, ddtree_budget: int | None = None,
-                      token_map: str | Path | None = None, adaptive: bool = True) -> SpecWorker | None:
-    cfg = SpecConfig.resolve(algorithm, draft_path, num_steps, topk, num_draft_tokens, default_model, ddtree_budget,
-                             token_map)
-    if cfg is None:
-        return None
-    if cfg.algorithm in ("DFLASH", "DDTREE"):
-        from .dflash import DFlashDrafter
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """speculative decoding (SGLang's flags)"""
 
-        dflash = DFlashDrafter.load(engine, cfg.draft_model_path, cfg.num_draft_tokens or None, cfg.ddtree_budget)
-        engine.spec_config = cfg
-        return SpecWorker(engine, dflash, dflash.num_draft_tokens, adaptive)
-    if cfg.algorithm == "NGRAM":
-        from .ngram import NgramDrafter
+    algorithm: str | None = option(
+        None, "AUTO: EAGLE3 with the bundled draft and its token map on the default model on the CPU, else off "
+              "(generate's default); NONE: plain decoding (serve's default); or NGRAM, EAGLE, EAGLE3, DFLASH, DDTREE",
+        parse=str.upper, check=one_of(*SPECULATIVE_ALGORITHMS, optional=True, upper=True),
+        choices=SPECULATIVE_ALGORITHMS)
+    draft_model_path: Any = option(None, "EAGLE / EAGLE-3 / DFlash draft directory (DFLASH/DDTREE on the default "
+                                         "model: the bundled one)", parse=str, check=path_like, metavar="DIR")
+    num_steps: int | None = option(None, "draft depth (default 5)", parse=parse_int, check=positive_int(optional=True))
+    eagle_topk: int | None = option(None, "branches per draft step (1: chain)", parse=parse_int,
+                                    check=positive_int(optional=True))
+    num_draft_tokens: int | None = option(None, "tree nodes verified per step, root included (chain: num_steps + 1); "
+                                                "DFLASH/DDTREE: the block size (default: the checkpoint's)",
+                                          parse=parse_int, check=positive_int(optional=True))
+    ddtree_budget: int | None = option(None, "DDTREE: draft nodes in the verified tree, 2..64 (default 16)",
+                                       parse=parse_int, check=int_in(2, 64, optional=True))
+    token_map: Any = option(None, "EAGLE/EAGLE3: a .pt or .json list of target token ids the draft may propose (hot "
+                                  "tokens); each draft step's head then covers only them", parse=str, check=path_like,
+                     metavar="FILE")
+    adaptive: Any = option(True, "on (default): each step verifies the number of draft tokens that maximises expected "
+                                 "tokens/s (measured step costs, running acceptance), down to plain decoding; off: "
+                                 "num-draft-tokens every step", parse=str.lower, check=on_off, choices=("on", "off"))
 
-        drafter = NgramDrafter(cfg.num_draft_tokens)
-    else:
-        from .eagle import EagleDrafter
-
-        drafter = EagleDrafter.load(engine, cfg)
-    engine.spec_config = cfg
-    return SpecWorker(engine, drafter, cfg.num_draft_tokens, adaptive)
-
-
-__all__ = ["SpecConfig", "SpecStats", "SpecWorker", "build_spec_worker", "ALGORITHMS"]
+    def resolve_auto(self, default_model: bool, on_cpu: bool) -> "SpeculativeConfig":
+        """AUTO: EAGLE3 with the bundled head and its token map on the default model on the CPU; else off.
+        On a GPU plain decoding replays CUDA graphs while speculative steps run eagerly, ~10x slower on
+        SmolLM2 (benchmarks/results/h200_logs/spec_speed_console_a74fe93.log)."""
+        if self.algorithm is None or self.algorithm.upper() != "AUTO":
+            return self
+        if not (default_model and on_cpu):
+            return replace(self, algorithm=None)
+        token_map = self.token_map
+        if self.draft_model_path is None and token_map is None:
+            token_map = str(DEFAULT_EAGLE3_TOKEN_MAP)  # the bundled head's hot tokens: faster CPU draft steps
+        return replace(self, algorithm="EAGLE3", token_map=token_map)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import ConfigError
+from ..options import ConfigError
 from ..request import Request
 from .drafter import Drafter, ExtendedChunk
 

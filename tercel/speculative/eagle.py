@@ -109,7 +109,7 @@ class EagleDrafter(Drafter):
 
             kept = model.restrict_vocab(load_token_map(token_map, engine.model_config.vocab_size))
             if kept < topk:
-                from ..config import ConfigError
+                from ..options import ConfigError
 
                 raise ConfigError(f"speculative_token_map {token_map} leaves the draft {kept} tokens, fewer than "
                                   f"speculative_eagle_topk={topk}; use a larger map or a smaller topk.")
@@ -134,7 +134,7 @@ class EagleDrafter(Drafter):
                                  engine.config.max_model_len)
         want = "eagle3" if cfg.algorithm == "EAGLE3" else "eagle"
         if model.config.kind != want:
-            from ..config import ConfigError
+            from ..options import ConfigError
 
             raise ConfigError(f"speculative_algorithm={cfg.algorithm} but {cfg.draft_model_path} is an "
                               f"{model.config.kind.upper()} draft; pass --speculative-algorithm "

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError
+from ..options import ConfigError
 
 
 def load_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
