@@ -24,6 +24,7 @@ def main() -> None:
     from common import environment
     from conftest import CHAT_PROMPTS
     from spec_utils import spec_llm
+
     from tercel import LLM, SamplingParams
     from tercel.speculative import DEFAULT_EAGLE3_DRAFT
 

@@ -16,7 +16,6 @@ import statistics
 import time
 
 import torch
-
 from common import copy_bandwidth, environment, write_result
 
 PROMPTS = ["Tell me about the ocean.", "Write a Python function that checks if a number is prime.",

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import environment  # noqa: E402
 from gpu_decode import generate, gpu_copy_bandwidth, graph_step_ms, llama8b_loaded, weight_bytes  # noqa: E402
 
+
 def _switches(fused: str, attn: str, prefetch: str, pdl: str = "late", splits: str = "16") -> dict[str, str]:
     return {"TERCEL_FUSED_DECODE": fused, "TERCEL_DECODE_ATTN": attn, "TERCEL_L2_PREFETCH": prefetch, "TERCEL_PDL": pdl,
             "TERCEL_DECODE_MAX_SPLITS": splits}

@@ -9,7 +9,6 @@ import argparse
 import time
 
 import torch
-
 from common import environment, write_result
 
 from tercel import LLM, SamplingParams

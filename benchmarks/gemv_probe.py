@@ -80,7 +80,7 @@ def main():
                        triton_rel_err=best[2])
         out[name] = row
         print(name, row, flush=True)
-        del ws
+        ws = []  # free the copies before the next shape
     if len(sys.argv) > 1:
         open(sys.argv[1], "w").write(json.dumps(out, indent=2) + "\n")
 

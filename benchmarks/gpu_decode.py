@@ -272,7 +272,7 @@ def hf_peers(path: str, prompt_ids: list[int], n: int, repeats: int, ours: list[
         except Exception as e:
             res["compiled_error"] = repr(e)
             traceback.print_exc()
-    del hf
+    hf = None  # free the peer before returning
     torch.cuda.empty_cache()
     return res
 

@@ -11,7 +11,6 @@ import os
 import time
 
 import torch
-
 from common import environment, write_result
 
 

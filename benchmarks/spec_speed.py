@@ -46,7 +46,8 @@ def trace(llm, batch, params, out: Path) -> None:
             torch.cuda.synchronize()
     (out / "kernels.txt").write_text(prof.key_averages().table(sort_by="self_device_time_total", row_limit=60))
     prof.export_chrome_trace(str(out / "trace.json"))
-    import gzip, shutil
+    import gzip
+    import shutil
     with open(out / "trace.json", "rb") as f, gzip.open(out / "trace.json.gz", "wb") as g:
         shutil.copyfileobj(f, g)
     (out / "trace.json").unlink()

@@ -213,8 +213,8 @@ def streamed_bytes(model, cfg, bs: int, t: int) -> int:
 
 def probe_shape(shape: str, args) -> dict:
     import torch
-
     from graph_utils import FakeRequests
+
     from tercel.kv import KVCacheSpec, PagedKVCache
 
     dev = args.device

@@ -14,7 +14,6 @@ from typing import Any, NoReturn
 from .config import ConfigError, EngineConfig, Setting, settings
 from .options import cli_spelling, parse_float, parse_int, parse_int_list, parse_size
 
-
 _METAVARS: dict[Any, str] = {parse_int: "N", parse_float: "X", parse_int_list: "N[,N...]", parse_size: "SIZE"}
 
 

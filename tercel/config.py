@@ -7,13 +7,28 @@ from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .options import (ConfigError, Option, Spelling, any_int, boolean, on_off, fraction, int_in, int_list, one_of, option, parse_float,
-                      parse_int, parse_int_list, parse_size, path_like, positive_int, python_spelling)
-
-from .speculative.config import SPECULATIVE_ALGORITHMS, SpeculativeConfig
+from .options import (
+    ConfigError,
+    Option,
+    Spelling,
+    any_int,
+    boolean,
+    fraction,
+    int_list,
+    one_of,
+    option,
+    parse_float,
+    parse_int,
+    parse_int_list,
+    parse_size,
+    path_like,
+    positive_int,
+    python_spelling,
+)
+from .speculative.config import SpeculativeConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import copy
 import itertools
-import numbers
 import logging
+import numbers
 import threading
 import time
 from dataclasses import dataclass
@@ -34,16 +34,16 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, EngineConfig
+from .detokenizer import update_text
 from .forward_batch import ForwardBatch, ModelOutput
 from .kv import KVCacheSpec, PagedKVCache, blocks_for_budget, slot_of
 from .loader.model_loader import LoadedModel, load_model, parse_dtype
 from .loader.tokenizer import Tokenizer
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .request import Request, RequestStatus
+from .request import Request
 from .sampling import Sampler, greedy_tokens, sample_batch
 from .sampling_params import RequestOutputKind, SamplingParams
 from .scheduler import ScheduledRequest, Scheduler
-from .detokenizer import update_text
 
 log = logging.getLogger(__name__)
 

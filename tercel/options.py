@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+
 class ConfigError(ValueError):
     """A checkpoint or engine setting Tercel cannot serve; the message names the value and the fix."""
 

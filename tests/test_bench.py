@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from server_harness import REPO, ServerProcess, tiny_server_args
+
 from tercel.bench.offline import stats_delta, stats_snapshot
 from tercel.bench.report import percentile
 from tercel.speculative.worker import SpecStats

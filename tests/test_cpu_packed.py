@@ -21,8 +21,16 @@ from gguf_utils import write_gguf  # noqa: E402
 from tercel import LLM  # noqa: E402
 from tercel.loader import gguf_file  # noqa: E402
 from tercel.models import cpu_linear  # noqa: E402
-from tercel.models.cpu_linear import (Q4_GROUP, PackedDense, PackedInt4, Q4Blocks, UnpackedDense,  # noqa: E402
-                                      cpu_packing_available, dense_packing_available, pack_linear)
+from tercel.models.cpu_linear import (  # noqa: E402
+    Q4_GROUP,
+    PackedDense,
+    PackedInt4,
+    Q4Blocks,
+    UnpackedDense,
+    cpu_packing_available,
+    dense_packing_available,
+    pack_linear,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_packing_available(), reason="this torch build lacks oneDNN / int4 CPU matmul")
 transformers.logging.set_verbosity_error()

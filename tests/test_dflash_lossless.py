@@ -8,10 +8,10 @@ import itertools
 import pytest
 import torch
 import transformers
-from scipy.stats import chisquare
-
 from dflash_utils import write_random_dflash
+from scipy.stats import chisquare
 from spec_utils import full_lossless, tiny_llama_target
+
 from tercel import LLM, SamplingParams
 from tercel.sampling import filter_logits
 

@@ -7,7 +7,6 @@ synchronizes with the host (torch.cuda sync debug mode "error"). SmolLM2 comes f
 package or TERCEL_SMOL_GGUF. Skipped without CUDA."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 

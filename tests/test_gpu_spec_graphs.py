@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import CHAT_PROMPTS, smollm2_gguf_or_skip
 from spec_utils import spec_llm
+
 from tercel import LLM, SamplingParams
 from tercel.speculative import DEFAULT_DFLASH_DRAFT, DEFAULT_EAGLE3_DRAFT
 

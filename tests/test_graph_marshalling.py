@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from graph_utils import FakeRequests, kv_pool, tiny_model
+
 from tercel.forward_batch import CaptureHiddenMode
 from tercel.graphs import BufferSpec, CudaGraphRunner, GraphConfig, Pad, Per, StaticBuffers, default_batch_sizes
 from tercel.graphs import buffers as B

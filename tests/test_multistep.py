@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from graph_utils import tiny_model
+
 from tercel import LLM, SamplingParams
 from tercel.config import ConfigError
 from tercel.engine import LLMEngine

@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from graph_utils import tiny_model
+
 from tercel import LLM, RequestOutputKind, SamplingParams
 from tercel.engine import LLMEngine
 from tercel.loader.model_loader import LoadedModel

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
 from conftest import hf_greedy
+
 from tercel import LLM, SamplingParams
 
 transformers.logging.set_verbosity_error()

@@ -10,7 +10,6 @@ import math
 
 import openai
 import pytest
-
 from server_harness import http_client, offline, offline_llm, running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

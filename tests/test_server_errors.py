@@ -11,7 +11,6 @@ import time
 
 import openai
 import pytest
-
 from server_harness import http_client, running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -13,7 +13,6 @@ import socket
 import time
 
 import pytest
-
 from server_harness import HOST, async_http_client, http_client, running_server, tiny_server_args
 
 pytestmark = [pytest.mark.timeout(180)]

@@ -15,7 +15,6 @@ import threading
 import time
 
 import pytest
-
 from server_harness import HOST, http_client, running_server, tiny_server_args
 
 pytestmark = [pytest.mark.timeout(180)]

@@ -14,7 +14,6 @@ import time
 
 import httpx
 import pytest
-
 from server_harness import async_http_client, http_client, offline, running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from openapi_schema_validator import OAS31Validator
 from openapi_spec_validator import validate
-
 from server_harness import http_client, running_server, tiny_server_args
 
 pytestmark = [pytest.mark.timeout(300)]

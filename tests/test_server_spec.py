@@ -7,7 +7,6 @@ by algorithm. Add EAGLE / EAGLE3 servers here once their draft models ship with 
 from __future__ import annotations
 
 import pytest
-
 from server_harness import offline, running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

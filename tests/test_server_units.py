@@ -10,7 +10,6 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-
 from server_harness import REPO
 
 

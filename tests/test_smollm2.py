@@ -3,6 +3,7 @@ loading the same GGUF (fp32, CPU, greedy, 64 new tokens, chat prompts)."""
 from __future__ import annotations
 
 from conftest import hf_greedy
+
 from tercel import SamplingParams
 
 

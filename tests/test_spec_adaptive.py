@@ -7,13 +7,19 @@ from __future__ import annotations
 import itertools
 
 import pytest
-
 from spec_utils import spec_llm
+
 from tercel import SamplingParams
 from tercel.config import ConfigError
 from tercel.speculative import DEFAULT_EAGLE3_DRAFT
-from tercel.speculative.adaptive import (CostModel, RequestAcceptStats, WidthPolicy, candidate_widths, check_adaptive,
-                                  expected_tokens)
+from tercel.speculative.adaptive import (
+    CostModel,
+    RequestAcceptStats,
+    WidthPolicy,
+    candidate_widths,
+    check_adaptive,
+    expected_tokens,
+)
 
 WIDTHS = (1, 2, 4, 6)
 

@@ -11,8 +11,8 @@ import random
 
 import pytest
 import torch
-
 from spec_utils import spec_llm
+
 from tercel import SamplingParams
 from tercel.speculative.tree import DraftTree
 from tercel.speculative.verify import accept_greedy, accept_greedy_batched

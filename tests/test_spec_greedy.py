@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
 from spec_utils import OracleTreeDrafter, full_lossless, spec_llm
+
 from tercel import LLM, SamplingParams
 from tercel.speculative import DEFAULT_EAGLE3_DRAFT, DEFAULT_EAGLE3_TOKEN_MAP
 from tercel.speculative.ngram import ngram_lookup

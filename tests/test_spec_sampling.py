@@ -11,8 +11,8 @@ import pytest
 import torch
 import transformers
 from scipy.stats import chisquare
-
 from spec_utils import tiny_llama_target
+
 from tercel import LLM, SamplingParams
 from tercel.sampling import filter_logits
 from tercel.train.export import random_eagle3

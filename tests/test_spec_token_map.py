@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-
 from spec_utils import spec_llm, tiny_llama_target
+
 from tercel import LLM, SamplingParams
 from tercel.config import ConfigError
 from tercel.models.eagle3 import load_eagle_draft

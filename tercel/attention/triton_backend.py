@@ -21,7 +21,6 @@ from ..kernels.fused import rope_store
 from ..kv import PagedKVCache
 from .base import AttentionBackend
 
-
 PREFETCH_MAX_BATCH = 8
 ROWS_MAX_QUERIES = 64  # causal batches of up to this many queries per request attend as decode rows
 

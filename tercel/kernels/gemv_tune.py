@@ -32,8 +32,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from .fused import rms_norm, silu_mul
 from . import small_m_enabled
+from .fused import rms_norm, silu_mul
 from .gemv import GemvConfig, gemv
 
 log = logging.getLogger(__name__)

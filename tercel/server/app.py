@@ -38,8 +38,18 @@ from ..sampling_params import RequestOutputKind, SamplingParams
 from .engine_loop import ABORTED, AsyncEngine, EngineFailure, EngineRequest, QueueFullError, RequestGroup
 from .metrics import ServerMetrics
 from .openapi import build_openapi
-from .protocol import (MAX_LOGPROBS, MAX_STOP_STRINGS, APIError, ChatCompletionRequest, CompletionRequest,
-                       ModelCard, ModelList, _SamplingFields, error_body, validation_error_to_api)
+from .protocol import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    _SamplingFields,
+    error_body,
+    validation_error_to_api,
+)
 
 log = logging.getLogger(__name__)
 

@@ -149,8 +149,13 @@ def run_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from .app import ServerSettings, build_app
-        from .connections import ConnectionGuard, ConnectionLimits, GuardedH11Protocol
-        from .connections import default_max_connections, ensure_file_limit
+        from .connections import (
+            ConnectionGuard,
+            ConnectionLimits,
+            GuardedH11Protocol,
+            default_max_connections,
+            ensure_file_limit,
+        )
     except SystemExit as e:  # SIGTERM while importing
         return int(e.code or 0)
     except ImportError as e:
@@ -218,8 +223,8 @@ def run_serve(args: argparse.Namespace) -> int:
 def check_checkpoint(config) -> None:
     """The model path and its config.json / GGUF metadata, and --max-model-len against it: seconds, not
     the minutes a large model's weights take to load before the same error."""
-    from ..loader.model_loader import checked_max_model_len, read_checkpoint
     from ..config import ConfigError
+    from ..loader.model_loader import checked_max_model_len, read_checkpoint
 
     cfg = read_checkpoint(config.model.model).config
     try:

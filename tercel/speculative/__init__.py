@@ -19,9 +19,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import (ALGORITHMS, DEFAULT_DDTREE_BUDGET, DEFAULT_DFLASH_DRAFT, DEFAULT_DRAFTS_DIR,
-                     DEFAULT_EAGLE3_DRAFT, DEFAULT_EAGLE3_TOKEN_MAP, DEFAULT_NUM_STEPS, SpecConfig,
-                     SpeculativeConfig)
+from .config import (
+    ALGORITHMS,
+    DEFAULT_DDTREE_BUDGET,
+    DEFAULT_DFLASH_DRAFT,
+    DEFAULT_DRAFTS_DIR,
+    DEFAULT_EAGLE3_DRAFT,
+    DEFAULT_EAGLE3_TOKEN_MAP,
+    DEFAULT_NUM_STEPS,
+    SpecConfig,
+    SpeculativeConfig,
+)
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine

@@ -19,7 +19,6 @@ again: when it no longer picks the full width, the chain ends and the worker's a
 from __future__ import annotations
 
 import time
-
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,9 +27,9 @@ import torch
 from ..graphs.runner import CudaGraphRunner
 from ..outputs import RequestOutput
 from ..request import Request
+from .adaptive import candidate_widths
 from .batching import padded_tables
 from .chain import ChainBatch, ChainOutputs
-from .adaptive import candidate_widths
 from .verify import context_free
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..options import (ConfigError, on_off, one_of, option, parse_int, path_like, positive_int, int_in)
+from ..options import ConfigError, int_in, on_off, one_of, option, parse_int, path_like, positive_int
 
 log = logging.getLogger(__name__)
 

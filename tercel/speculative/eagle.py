@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from ..forward_batch import CaptureHiddenMode
+from ..graphs.runner import CudaGraphRunner, GraphConfig
 from ..kv import PagedKVCache, slot_of
 from ..models.eagle3 import EagleDraftModel, load_eagle_draft
 from ..request import Request
 from ..sampling import filter_logits, sample_probs
-from ..graphs.runner import CudaGraphRunner, GraphConfig
 from .batching import blocks_covering, padded_tables
 from .drafter import DeviceChains, Drafter, ExtendedChunk
 from .eagle_steps import DraftExtendBatch, DraftLoopBatch, EagleDraftLoopStep, EagleExtendStep

@@ -14,10 +14,9 @@ KV bookkeeping for one request whose root (last sampled token) sits at position 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-import time
 
 import torch
 
@@ -27,8 +26,8 @@ from ..graphs.steps import ModelStep
 from ..kv import slot_of
 from ..outputs import RequestOutput
 from ..request import Request
-from ..scheduler import ScheduledRequest
 from ..sampling import Sampler, greedy_tokens
+from ..scheduler import ScheduledRequest
 from .adaptive import AdaptiveSpec, candidate_widths
 from .batching import verify_batch
 from .drafter import DeviceChains, Drafter, ExtendedChunk

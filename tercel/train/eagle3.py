@@ -37,8 +37,7 @@ from tqdm import tqdm
 
 from ..models.eagle3 import EagleDraftConfig, EagleDraftModel, default_eagle3_layer_ids
 from ..models.rope import apply_rope
-from .data import (LIGHT_KV_BYTES, Sample, load_samples, make_dataset, pack_batch, save_samples,
-                   target_features)
+from .data import LIGHT_KV_BYTES, Sample, load_samples, make_dataset, pack_batch, save_samples, target_features
 from .export import eagle3_config_dict, eagle3_tensors, save_eagle3
 
 log = logging.getLogger(__name__)
