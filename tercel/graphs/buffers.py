@@ -13,7 +13,7 @@ buffers sized for the largest bucket and pads rows [live, bucket) per the buffer
 Padding costs no extra launches: a pad is one more (dst, src) pair whose source is a constant
 tensor of the pad value, copied in the same grouped foreach as the live data.
 
-Marshalling (DESIGN.md technique 3): small pairs are grouped by (dst dtype, src dtype) and issued
+Marshalling (docs/gpu.md, "Replay staging on the host"): small pairs are grouped by (dst dtype, src dtype) and issued
 as one torch._foreach_copy_ per group; big contiguous tensors (hidden states, threshold
 configurable) get their own copy_ so they take the DMA path; pairs whose destination is not
 dense (a narrower block table written into a wider buffer) also get their own copy_, since one

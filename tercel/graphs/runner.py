@@ -1,4 +1,4 @@
-"""One CUDA-graph runner for every step kind (DESIGN.md techniques 2-6).
+"""One CUDA-graph runner for every step kind (docs/architecture.md, "CUDA graphs: one runner, many step kinds").
 
 A step kind declares its static buffers (with padding policies), how many tokens each request
 brings, and the forward to capture; the runner does the rest:

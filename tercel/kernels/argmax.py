@@ -1,7 +1,7 @@
 """Row-wise argmax of logits (Triton), the greedy token of every decode step.
 
-torch's argmax over one 128k-vocabulary row runs as a single-block reduction: 28 us per token on the
-H200 beside a 4.1 ms Llama-8B step (benchmarks/results/step_gaps_llama8b.json). Here each program
+torch's argmax over one 128k-vocabulary row runs as a single-block reduction, a visible share of a
+batch-1 step at 8B scale (docs/gpu.md, "Where the 8B step goes"). Here each program
 takes a BLOCK-wide slice of a row (max and its first index), and a second launch picks, per row, the
 slice with the largest max, the first such slice on ties: the first index of the maximum, as torch
 returns. NaN counts as the largest value, as in torch.

@@ -124,8 +124,8 @@ class SpeculativeConfig:
 
     def resolve_auto(self, default_model: bool, on_cpu: bool) -> "SpeculativeConfig":
         """AUTO: EAGLE3 with the bundled head and its token map on the default model on the CPU; else off.
-        On a GPU plain decoding replays CUDA graphs while speculative steps run eagerly, ~10x slower on
-        SmolLM2 (benchmarks/results/h200_logs/spec_speed_console_a74fe93.log)."""
+        On a GPU it stays off until a speculative step measures faster than plain decoding there
+        (docs/speculative_graphs.md has the figures)."""
         if self.algorithm is None or self.algorithm.upper() != "AUTO":
             return self
         if not (default_model and on_cpu):

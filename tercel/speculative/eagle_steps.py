@@ -72,7 +72,7 @@ class DraftStateRows:
 
 def target_hidden_width(model: EagleDraftModel) -> int:
     """Width of the target states draft_extend reads: the aux layers concatenated (EAGLE-3 with aux
-    states), else the target's final normed hidden (DESIGN.md: derived, not guessed)."""
+    states), else the target's final normed hidden (derived from the checkpoint, not guessed)."""
     cfg = model.config
     return cfg.fc_in if cfg.kind == "eagle3" and cfg.aux_layer_ids else cfg.target_hidden_size
 

@@ -55,9 +55,8 @@ EVAL_SUBJECTS = ("ocean", "capital of france", "autumn", "hash table", "cook", "
                  "counts the words", "recent orders", "merge", "csv", "debounce", "binary search")
 
 # Openers of user messages for synth_user_prompts(openers=...): the Magpie prompts SmolLM2 writes
-# unprompted are mostly long requests for personal advice, whose answers a draft predicts easily
-# (chain accept 2.91 against 2.42 on held-out chat, benchmarks/results/prompt_mix_accept_smollm2_cpu.json);
-# starting the turn with a question or task opener makes the target write the short questions and
+# unprompted are mostly long requests for personal advice, whose answers a draft predicts more easily
+# than users' questions (docs/training-drafts.md); starting the turn with a question or task opener makes the target write the short questions and
 # tasks users ask. Generic words only.
 QUESTION_OPENERS = (
     "What is", "What are", "What was", "Why do", "Why is", "Why are", "How does", "How do", "How can I", "How do I",
