@@ -102,15 +102,19 @@ def draw_keys(reqs: list[Request]) -> torch.Tensor:
     return _mix64(_mix64(seeds) + torch.tensor(counts, dtype=torch.int64) * _GOLDEN)
 
 
-def draw_noise(keys: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
-    """Exp(1) noise [len(keys), vocab] on `device`: token v of row i is output v + 1 of splitmix64 started
-    at keys[i]. Counter-based, so a draw depends only on (seed, draw count, token): not on the batch, the
-    step kind or the device, and a whole batch is a few elementwise kernels with no host work per row."""
+def draw_uniform(keys: torch.Tensor, start: int, n: int, device: torch.device) -> torch.Tensor:
+    """Uniforms in (0, 1), [len(keys), n] float64 on `device`: entry j of row i is output start + j of
+    splitmix64 started at keys[i]. Counter-based, so a draw depends only on (seed, draw count, index): not
+    on the batch, the step kind or the device, and a whole batch is a few elementwise kernels."""
     keys = keys.to(device, non_blocking=True)
-    idx = torch.arange(1, vocab + 1, dtype=torch.int64, device=device)
+    idx = torch.arange(start, start + n, dtype=torch.int64, device=device)
     bits = _mix64(keys[:, None] + idx[None, :] * _GOLDEN)
-    u = (_shr(bits, 11).double() + 0.5) * 2.0 ** -53  # 53-bit uniform in (0, 1)
-    return (-torch.log(u)).float()
+    return (_shr(bits, 11).double() + 0.5) * 2.0 ** -53  # 53-bit uniform
+
+
+def draw_noise(keys: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise [len(keys), vocab]: token v of row i from output v + 1 of row i's stream."""
+    return (-torch.log(draw_uniform(keys, 1, vocab, device))).float()
 
 
 def sample_probs(probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

@@ -111,3 +111,41 @@ def test_sampling_matches_the_target_distribution(tiny, shape, filt):
         obs, exp = obs[:-1], exp[:-1]
     p = chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
     assert p > 0.01, f"chi-square p = {p:.4g} ({keep.sum().item()} cells)"
+
+
+def _exact_chain_outcomes(p: torch.Tensor, drafts: list[int], q: torch.Tensor | None) -> torch.Tensor:
+    """P(k accepted drafts, bonus y) for one chain: [len(drafts) + 1, V], float64."""
+    n, v = len(drafts), p.shape[-1]
+    out = torch.zeros(n + 1, v, dtype=torch.float64)
+    reach = 1.0
+    for i, x in enumerate(drafts):
+        qi = torch.nn.functional.one_hot(torch.tensor(x), v).double() if q is None else q[i]
+        a = min(1.0, float(p[i, x] / qi[x]))
+        residual = (p[i] - qi).clamp_min(0.0)
+        out[i] = reach * (1 - a) * residual / residual.sum()
+        reach *= a
+    out[n] = reach * p[n]
+    return out
+
+
+@pytest.mark.parametrize("proposal", ["deterministic", "sampled"])
+def test_device_chain_acceptance_has_the_rejection_sampling_law(proposal):
+    from tercel.outputs import RequestMetrics
+    from tercel.request import Request
+    from tercel.speculative.verify import accept_sampling_chains
+
+    g = torch.Generator().manual_seed(3)
+    v, drafts = 6, [2, 0, 5]
+    logits = torch.randn(len(drafts) + 1, v, generator=g) * 1.5
+    params = SamplingParams(temperature=0.8, top_k=5)
+    p = filter_logits(logits.double(), params).softmax(-1)
+    q = None if proposal == "deterministic" else torch.softmax(torch.randn(len(drafts), v, generator=g), -1)
+    reqs = [Request("r", None, [1], params, torch.Generator(), RequestMetrics(0.0), seed=s) for s in range(N)]
+    tokens = torch.tensor([[1] + drafts] * N)
+    k, bonus = accept_sampling_chains(logits.expand(N, -1, -1), tokens, torch.full((N,), len(drafts) + 1), reqs,
+                                      None if q is None else q.float().expand(N, -1, -1))
+    want = _exact_chain_outcomes(p, drafts, None if q is None else q.double()).flatten()
+    got = torch.bincount(k * v + bonus, minlength=want.numel()).double()
+    assert got[want == 0].sum() == 0  # nothing outside the support (top-k's cut token, a rejected draft)
+    assert chisquare(got[want > 0], want[want > 0] / want.sum() * N).pvalue > 0.01
+    assert all(r.draws == 1 for r in reqs)  # one draw of each request's stream per step

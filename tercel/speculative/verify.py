@@ -20,7 +20,15 @@ from dataclasses import dataclass
 import torch
 
 from ..request import Request
-from ..sampling import filter_logits, processed_logits, sample_from_probs
+from ..sampling import (
+    draw_keys,
+    draw_noise,
+    draw_uniform,
+    filter_logits,
+    greedy_tokens,
+    processed_logits,
+    sample_from_probs,
+)
 from .tree import DraftTree
 
 
@@ -131,3 +139,69 @@ def accept_greedy_batched(argmax: torch.Tensor, tokens: torch.Tensor, lens: torc
         reachable = (wrong_on_path == 0) & real
         best = torch.where(reachable, depth, -1).argmax(1)
     return best, argmax.gather(1, best[:, None])[:, 0]
+
+
+def device_sampling_ok(req: Request, tree: DraftTree | None) -> bool:
+    """accept_sampling_chains serves this request: T > 0, context-free, and a chain (None: a chain still
+    on the device)."""
+    return not req.params.greedy and context_free(req) and (tree is None or tree.is_chain)
+
+
+def chain_proposals(trees: list[DraftTree], width: int, vocab: int, device: torch.device) -> torch.Tensor | None:
+    """q of each chain's drafts as [b, W - 1, V] (a deterministic draft: one-hot), or None when every
+    draft is deterministic. Rows past a chain's end are ones (never read: they are not real)."""
+    if all(t.q is None or all(q is None for q in t.q[1:]) for t in trees):
+        return None
+    ones = torch.ones(vocab, dtype=torch.float32, device=device)
+    rows = []
+    for t in trees:
+        for j in range(1, width):
+            q = t.q_of(j) if j < len(t) else ones
+            if q is None:
+                q = torch.nn.functional.one_hot(torch.tensor(t.tokens[j], device=device), vocab)
+            rows.append(q.to(device=device, dtype=torch.float32))
+    return torch.stack(rows).view(len(trees), width - 1, vocab)  # one copy kernel, not one per row
+
+
+def accept_sampling_chains(logits: torch.Tensor, tokens: torch.Tensor, lens: torch.Tensor, reqs: list[Request],
+                           q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling of draft chains for a batch, on the device, no host sync: the law of
+    accept_sampling. logits [b, W, V], tokens [b, W] (root + drafts), lens [b] real nodes; q [b, W - 1, V]
+    the distributions the drafts were drawn from (None: every draft deterministic, q one-hot); reqs pass
+    device_sampling_ok. Draft i + 1 is accepted with probability min(1, p_i(x) / q_i(x)) while the drafts
+    before it were; where the run stops at k the bonus is drawn from max(p_k - q_k, 0) (all accepted:
+    from p_k). Each request takes one draw of its counter-based stream: W - 1 uniforms for the drafts and
+    exponential noise for the bonus (the exponential race is unchanged by scaling, so the residual needs no
+    renormalisation). Returns (accepted drafts k [b], bonus [b])."""
+    b, w, v = logits.shape
+    probs = torch.empty(b, w, v, dtype=torch.float32, device=logits.device)
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(reqs):  # one filter per distinct setting, as sample_batch
+        p = r.params
+        groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
+    for rows in groups.values():
+        idx = torch.tensor(rows, device=logits.device)
+        sub = logits.index_select(0, idx).reshape(len(rows) * w, v)
+        probs.index_copy_(0, idx, filter_logits(sub, reqs[rows[0]].params).softmax(-1).float().view(-1, w, v))
+    keys = draw_keys(reqs)
+    drafts = tokens[:, 1:]
+    p_draft = probs[:, :-1].gather(2, drafts[..., None])[..., 0]  # [b, W - 1]
+    q_draft = torch.ones_like(p_draft) if q is None else q.gather(2, drafts[..., None])[..., 0]
+    u = draw_uniform(keys, v + 1, w - 1, logits.device)  # past the noise's indices 1..V
+    real = torch.arange(w - 1, device=logits.device)[None, :] < (lens - 1)[:, None]
+    ok = (q_draft > 0) & (u * q_draft < p_draft) & real  # u < p(x) / q(x), as the host walk
+    k = ok.to(torch.int32).cumprod(1).sum(1).long()
+    rows = torch.arange(b, device=logits.device)
+    p_k = probs[rows, k]  # [b, V]
+    rejected = k < lens - 1
+    if w > 1:
+        at = k.clamp(max=w - 2)
+        if q is None:
+            residual = p_k.scatter(1, drafts.gather(1, at[:, None]), 0.0)
+        else:
+            residual = (p_k - q[rows, at]).clamp_min(0.0)
+        # p_k == q_k up to rounding, where rejection had probability ~0: draw from p_k, as the host walk
+        keep = rejected[:, None] & (residual.sum(1, keepdim=True) > 0)
+        p_k = torch.where(keep, residual, p_k)
+    bonus = greedy_tokens(p_k / draw_noise(keys, v, logits.device))
+    return k, bonus

@@ -33,7 +33,16 @@ from .batching import verify_batch
 from .drafter import DeviceChains, Drafter, ExtendedChunk
 from .profile import StepProfile
 from .tree import DraftTree
-from .verify import Accepted, accept_greedy, accept_greedy_batched, accept_sampling, context_free
+from .verify import (
+    Accepted,
+    accept_greedy,
+    accept_greedy_batched,
+    accept_sampling,
+    accept_sampling_chains,
+    chain_proposals,
+    context_free,
+    device_sampling_ok,
+)
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine
@@ -251,12 +260,23 @@ class SpecWorker:
         out = self._verify(batch)
         logits = out.logits
         self.last_width = width
-        # 3. accept: greedy on the device for the whole batch; the step's one host sync reads the result
+        # 3. accept on the device for the whole batch (greedy; sampled chains of deterministic drafts by
+        # rejection sampling); the step's one host sync reads the result. Other requests walk on the host.
         prof.mark("accept")
         b = len(reqs)
         argmax = greedy_tokens(logits).view(b, width)
         best, bonus = accept_greedy_batched(argmax, layout.tokens, layout.lens, layout.parents, layout.depth,
                                             layout.masks)
+        on_device = [i for i, r in enumerate(reqs) if device_sampling_ok(r, None if trees is None else trees[i])]
+        if on_device:
+            idx = torch.tensor(on_device, device=logits.device)
+            q = None if trees is None else chain_proposals([trees[i] for i in on_device], width, logits.shape[-1],
+                                                           logits.device)
+            k, sampled = accept_sampling_chains(logits.view(b, width, -1).index_select(0, idx),
+                                                layout.tokens.index_select(0, idx), layout.lens.index_select(0, idx),
+                                                [reqs[i] for i in on_device], q)
+            best, bonus = best.index_copy(0, idx, k), bonus.index_copy(0, idx, sampled)
+        walk_on_device = set(on_device)
         fetch = [best[:, None], bonus[:, None]] + ([layout.tokens] if trees is None else [])
         host = torch.cat(fetch, 1).tolist()
         if trees is None:
@@ -264,7 +284,7 @@ class SpecWorker:
         accepted: list[Accepted] = []
         for i, (r, t) in enumerate(zip(reqs, trees)):
             rows = logits[i * width:i * width + len(t)]
-            if r.params.greedy and context_free(r):
+            if i in walk_on_device or (r.params.greedy and context_free(r)):
                 acc = Accepted(t.path_to(host[i][0])[1:], host[i][1])
             elif r.params.greedy:
                 acc = accept_greedy(t, rows, r)
