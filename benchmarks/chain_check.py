@@ -29,8 +29,8 @@ def main() -> None:
     from tercel.speculative import DEFAULT_EAGLE3_DRAFT
 
     gguf = os.environ["TERCEL_SMOL_GGUF"]
-    e3 = dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1, speculative_draft_model_path=DEFAULT_EAGLE3_DRAFT,
-              kv_cache_memory=2 << 30)
+    e3 = dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1,
+              speculative_draft_model_path=DEFAULT_EAGLE3_DRAFT, kv_cache_memory=2 << 30)
 
     def toks(llm, prompts):
         params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
@@ -66,8 +66,8 @@ def main() -> None:
             runs["chain_pdl0"] = toks(spec_llm(base, cuda_graph_max_bs=32, disable_overlap_schedule=True, **e3),
                                       prompts)
             os.environ.pop("TERCEL_PDL")
-        pairs = [("eager", "graphs_unchained"), ("eager", "chain"), ("chain", "chain_overlap"), ("plain", "chain_overlap"),
-                 ("chain_pdl0", "chain_overlap_pdl0")]
+        pairs = [("eager", "graphs_unchained"), ("eager", "chain"), ("chain", "chain_overlap"),
+                 ("plain", "chain_overlap"), ("chain_pdl0", "chain_overlap_pdl0")]
         res[dtype] = {f"{a}_vs_{b}": part(base, prompts, runs[a], runs[b]) for a, b in pairs if a in runs and b in runs}
         print(dtype, json.dumps(res[dtype]), flush=True)
         del base

@@ -110,7 +110,8 @@ def main() -> None:
             step = bs * n / tps[f"tercel {k}"] / n
             roof = weight_bytes[k] / bw
             row["tercel"][k] = {"speedup_vs_hf_fastest": round(tps[f"tercel {k}"] / hf_best, 3),
-                                "speedup_vs_hf_same_dtype": round(tps[f"tercel {k}"] / tps[f"hf {HF_SAME_DTYPE[k]}"], 3),
+                                "speedup_vs_hf_same_dtype": round(tps[f"tercel {k}"]
+                                                                  / tps[f"hf {HF_SAME_DTYPE[k]}"], 3),
                                 "step_ms": round(step * 1000, 2), "roofline_step_ms": round(roof * 1000, 2),
                                 "roofline_fraction": round(roof / step, 3)}
         rows.append(row)
@@ -123,7 +124,8 @@ def main() -> None:
               "peer": f"transformers {transformers.__version__} generate (eager, DynamicCache), fp32 and bf16",
               "greedy_common_prefix_with_hf_fp32": agreement,
               "step_weight_bytes": weight_bytes, "copy_bandwidth_GBps": round(bw / 1e9, 2),
-              "env": environment(), "loadavg_1m": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
+              "env": environment(),
+              "loadavg_1m": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
               "rows": rows}
     path = write_result("cpu_decode_smollm2", result)
     print("greedy common prefix with HF fp32 (of", n, "tokens):", agreement)

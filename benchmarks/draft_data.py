@@ -23,7 +23,8 @@ def parse_shard(text: str) -> tuple[int, int]:
     try:
         k, n = (int(x) for x in text.split("/"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--shard {text!r}: write it as K/N, e.g. 0/4 (shard K of N, from 0)") from None
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: write it as K/N, e.g. 0/4 "
+                                         "(shard K of N, from 0)") from None
     if not 0 <= k < n:
         raise argparse.ArgumentTypeError(f"--shard {text!r}: K must be in 0..N-1 (here 0..{n - 1})")
     return k, n
@@ -35,7 +36,8 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--num-prompts", type=int, default=8000)
-    ap.add_argument("--synth-prompts", type=int, default=24000, help="user prompts the target writes itself (all shards)")
+    ap.add_argument("--synth-prompts", type=int, default=24000,
+                    help="user prompts the target writes itself (all shards)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=1024, help="prompt + response tokens")
     ap.add_argument("--batch", type=int, default=1024, help="requests running at once (and CUDA-graph max bs)")

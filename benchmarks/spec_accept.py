@@ -39,8 +39,9 @@ def run(model, draft, device, max_tokens, temps, configs, token_map=None) -> dic
     results = {}
     for name, algo, steps, topk, n in configs:
         llm = LLM.__new__(LLM)
-        llm.engine = LLMEngine(loaded=base.engine.loaded, device=device, dtype=base.engine.dtype, kv_cache_memory=KV_BYTES,
-                               speculative_algorithm=algo, speculative_draft_model_path=draft if algo != "NGRAM" else None,
+        llm.engine = LLMEngine(loaded=base.engine.loaded, device=device, dtype=base.engine.dtype,
+                               kv_cache_memory=KV_BYTES, speculative_algorithm=algo,
+                               speculative_draft_model_path=draft if algo != "NGRAM" else None,
                                speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=n,
                                speculative_token_map=token_map if algo != "NGRAM" else None)
         for temp in temps:
@@ -94,7 +95,8 @@ def main() -> None:
     results = run(args.model, draft, args.device, args.max_tokens, temps,
                   WIDE_TREES if args.configs == "wide" else CONFIGS, args.token_map)
     payload = {"benchmark": "speculative accept length on held-out prompts (tercel.train.data EVAL_*_PROMPTS)",
-               "environment": environment(), "device": args.device, "model": args.model or "SmolLM2-135M-Instruct (default)",
+               "environment": environment(), "device": args.device,
+               "model": args.model or "SmolLM2-135M-Instruct (default)",
                "draft": draft, "token_map": args.token_map, "max_tokens": args.max_tokens, "prompts_per_set": 10,
                "mean_accept_length_definition": "(accepted drafts + bonus) / verify steps", "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

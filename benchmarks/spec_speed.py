@@ -111,7 +111,8 @@ def main() -> None:
                               "at once; T=0 greedy, T>0 rows: top-p 0.95, seed 0",
                    "tokens_per_s_definition": "batch_size * new_tokens / wall time of generate() (prefill included)",
                    "weight_bytes": params_bytes, "copy_bandwidth_bytes_per_s": bw,
-                   "plain_bs1_roofline_fraction": (plain1["tokens_per_s"] * params_bytes / bw) if bw and plain1 else None,
+                   "plain_bs1_roofline_fraction": ((plain1["tokens_per_s"] * params_bytes / bw)
+                                                   if bw and plain1 else None),
                    "results": rows}
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(payload, indent=2) + "\n")
@@ -178,9 +179,9 @@ def main() -> None:
                 spec.profile = type(spec.profile)(spec.profile.device)
             if args.trace and bs == 1 and temp == 0:
                 trace(llm, batch, params, Path(args.trace) / name)
-            rows.append({"config": name, "batch_size": bs, "temperature": temp, "tokens_per_s": round(tps, 1), "wall_s": round(wall, 3),
-                         "mean_accept_length": round(mal, 3) if mal else None, "graphs": graphs,
-                         "step_breakdown_us": breakdown})
+            rows.append({"config": name, "batch_size": bs, "temperature": temp, "tokens_per_s": round(tps, 1),
+                         "wall_s": round(wall, 3), "mean_accept_length": round(mal, 3) if mal else None,
+                         "graphs": graphs, "step_breakdown_us": breakdown})
             print(f"{name:22s} bs={bs:3d} T={temp:g}: {tps:8.1f} tok/s  accept length {mal or 1:.2f}  "
                   f"{breakdown['gpu_us'] if breakdown else ''}", flush=True)
             write(rows)  # after every point: a run cut by a time limit keeps what it measured

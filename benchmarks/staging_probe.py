@@ -31,7 +31,8 @@ def kinds() -> dict[str, tuple[int, list[BufferSpec]]]:
     long, bf16 = torch.long, torch.bfloat16
     tables = BufferSpec("block_tables", Per.REQUEST, long, Pad.ZERO, shape=(MAX_BLOCKS,))
     return {
-        "chain": (1, [BufferSpec("roots", Per.REQUEST, long, Pad.ZERO), BufferSpec("first", Per.REQUEST, long, Pad.ZERO),
+        "chain": (1, [BufferSpec("roots", Per.REQUEST, long, Pad.ZERO),
+                      BufferSpec("first", Per.REQUEST, long, Pad.ZERO),
                       BufferSpec("hidden", Per.REQUEST, bf16, Pad.ZERO, shape=(HIDDEN,)),
                       BufferSpec("base", Per.REQUEST, long, Pad.ZERO), tables,
                       BufferSpec("live", Per.REQUEST, long, Pad.ZERO)]),

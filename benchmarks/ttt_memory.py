@@ -46,7 +46,8 @@ def step(target, draft, ids, mask, device, checkpoint_logits: bool):
     from tercel.train.data import target_features
     from tercel.train.eagle3 import ttt_loss
 
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
+    amp = (torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda")
+           else torch.autocast("cpu", enabled=False))
     with torch.no_grad(), amp:
         aux, final = target_features(target, ids, tuple(draft.config.aux_layer_ids))
     with amp:

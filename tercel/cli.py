@@ -118,7 +118,8 @@ def _layer_ids(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give layer ids as comma-separated integers, e.g. 1,14,26") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: give layer ids as comma-separated integers, "
+                                         "e.g. 1,14,26") from None
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
@@ -139,11 +140,13 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
     cfg = Eagle3TrainConfig(
         out=args.out, target=args.target, device=args.device, num_prompts=args.num_prompts,
-        synth_prompts=args.synth_prompts, synth_opener_share=args.synth_opener_share, max_new_tokens=args.max_new_tokens, gen_temperature=args.gen_temperature, gen_max_num_seqs=args.gen_batch,
+        synth_prompts=args.synth_prompts, synth_opener_share=args.synth_opener_share,
+        max_new_tokens=args.max_new_tokens, gen_temperature=args.gen_temperature, gen_max_num_seqs=args.gen_batch,
         max_len=args.max_len, draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
         ttt_steps=args.ttt_steps, hard_label_weight=args.hard_label_weight,
         checkpoint_logits=args.checkpoint_logits, batch_size=args.batch_size, lr=args.lr, max_steps=args.max_steps,
-        time_budget_s=args.time_budget, gen_time_budget_s=args.gen_time_budget, save_every=args.save_every, seed=args.seed,
+        time_budget_s=args.time_budget, gen_time_budget_s=args.gen_time_budget, save_every=args.save_every,
+        seed=args.seed,
         init_from=args.init_from, aux_layer_ids=args.aux_layer_ids)
     out = Eagle3Trainer(cfg).train()
     print(f"draft written to {out} (load it with --speculative-algorithm EAGLE3 --speculative-draft-model-path {out})")
@@ -197,12 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--draft-vocab-size", type=int, default=4096,
                     help="eagle3: draft vocabulary (most frequent response tokens); 0 = the full vocabulary "
                          "through the target's frozen lm_head (none exported)")
-    tr.add_argument("--init-from", default=None, help="warm-start from this exported draft directory (eagle3: a wider MLP may "
+    tr.add_argument("--init-from", default=None,
+                    help="warm-start from this exported draft directory (eagle3: a wider MLP may "
                          "grow from it; dflash: same shape, block size may differ)")
     tr.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
     tr.add_argument("--ttt-steps", type=int, default=6, help="unrolled draft steps (training-time test)")
     tr.add_argument("--aux-layer-ids", type=_layer_ids, default=None,
-                    help="eagle3: target layers whose outputs feed fc, e.g. 1,14,26 (default: SGLang's low / mid / high)")
+                    help="eagle3: target layers whose outputs feed fc, e.g. 1,14,26 "
+                         "(default: SGLang's low / mid / high)")
     tr.add_argument("--hard-label-weight", type=float, default=0.0,
                     help="eagle3: share of the loss on the target's top-1 token, in [0, 1] (the rest on its "
                          "distribution); greedy acceptance rewards the top-1 share")

@@ -32,10 +32,13 @@ def write_random_dflash(out: Path, *, vocab: int, hidden: int, num_target_layers
                    p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
                    p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
                    p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
-                   p + "self_attn.q_norm.weight": torch.ones(head_dim), p + "self_attn.k_norm.weight": torch.ones(head_dim),
-                   p + "mlp.gate_proj.weight": w(intermediate, hidden), p + "mlp.up_proj.weight": w(intermediate, hidden),
+                   p + "self_attn.q_norm.weight": torch.ones(head_dim),
+                   p + "self_attn.k_norm.weight": torch.ones(head_dim),
+                   p + "mlp.gate_proj.weight": w(intermediate, hidden),
+                   p + "mlp.up_proj.weight": w(intermediate, hidden),
                    p + "mlp.down_proj.weight": w(hidden, intermediate),
-                   p + "input_layernorm.weight": torch.ones(hidden), p + "post_attention_layernorm.weight": torch.ones(hidden)})
+                   p + "input_layernorm.weight": torch.ones(hidden),
+                   p + "post_attention_layernorm.weight": torch.ones(hidden)})
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"))
     return out

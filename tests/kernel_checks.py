@@ -234,10 +234,12 @@ def check_gemv_fused(device: str, dtype: torch.dtype) -> None:
         # against the exact float64 norm + product, and at least as close to it as the unfused kernels
         xd = x.double()
         exact = F.linear(xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.double(), w.double())
-        for c in (GemvConfig(block_n=8, block_k=128, norm_after=True), GemvConfig(block_n=4, block_k=64, norm_after=True)):
+        for c in (GemvConfig(block_n=8, block_k=128, norm_after=True),
+                  GemvConfig(block_n=4, block_k=64, norm_after=True)):
             y = gemv(x, w, c, norm_weight=nw, eps=1e-5)
             assert y.shape == (1, n) and y.dtype == dtype
-            assert _rel(y, exact) <= max(_rel(want_norm, exact), 1e-6) * 1.5 + (1e-6 if dtype == torch.float32 else 4e-3), (n, k, c)
+            assert _rel(y, exact) <= (max(_rel(want_norm, exact), 1e-6) * 1.5
+                                      + (1e-6 if dtype == torch.float32 else 4e-3)), (n, k, c)
             assert torch.equal(gemv(x, w, c, norm_weight=nw, eps=1e-5, out_dtype=torch.float32), y.float())
         try:
             gemv(x, w, GemvConfig(block_n=8, block_k=64, split_k=2, norm_after=True), norm_weight=nw, eps=1e-5)

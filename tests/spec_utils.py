@@ -78,7 +78,8 @@ def write_random_eagle(out, target_cfg, *, layers: int = 1, intermediate: int = 
         sd.update({p + "self_attn.q_proj.weight": w(heads * d, h), p + "self_attn.k_proj.weight": w(kv * d, h),
                    p + "self_attn.v_proj.weight": w(kv * d, h), p + "self_attn.o_proj.weight": w(h, heads * d),
                    p + "mlp.gate_proj.weight": w(intermediate, h), p + "mlp.up_proj.weight": w(intermediate, h),
-                   p + "mlp.down_proj.weight": w(h, intermediate), p + "post_attention_layernorm.weight": torch.ones(h)})
+                   p + "mlp.down_proj.weight": w(h, intermediate),
+                   p + "post_attention_layernorm.weight": torch.ones(h)})
         if i > 0:
             sd[p + "input_layernorm.weight"] = torch.ones(h)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))

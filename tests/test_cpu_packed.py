@@ -40,7 +40,8 @@ DENSE = PackedDense if dense_packing_available() else UnpackedDense
 TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.05,
             tie_word_embeddings=True)  # tied like SmolLM2: the Q8_0 embedding is the head
-PROMPTS = [[3, 17, 200, 45, 9], [int(x) for x in torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(7))]]
+PROMPTS = [[3, 17, 200, 45, 9],
+           [int(x) for x in torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(7))]]
 
 
 @pytest.fixture(scope="module")

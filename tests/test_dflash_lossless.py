@@ -121,8 +121,8 @@ def test_greedy_equals_plain_on_smollm2(smol_llm, smol_prompts, smol_plain, algo
 
 
 # acceptance item 1 to the letter: every config at batch 8 and 1 on all 20 prompts (spec_utils.full_lossless)
-FULL_CASES = [("DFLASH", {}), ("DDTREE", {"speculative_ddtree_budget": 4}), ("DDTREE", {"speculative_ddtree_budget": 16}),
-              ("DDTREE", {"speculative_ddtree_budget": 64})]
+FULL_CASES = [("DFLASH", {}), ("DDTREE", {"speculative_ddtree_budget": 4}),
+              ("DDTREE", {"speculative_ddtree_budget": 16}), ("DDTREE", {"speculative_ddtree_budget": 64})]
 
 
 @full_lossless

@@ -24,7 +24,8 @@ def tiny(tmp_path_factory):
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     llm = LLM(str(path), device="cpu", skip_tokenizer_init=True, progress=False, max_model_len=256)
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 63, (n,), generator=g).tolist() for n in torch.randint(3, 12, (24,), generator=g).tolist()]
+    prompts = [torch.randint(0, 63, (n,), generator=g).tolist()
+               for n in torch.randint(3, 12, (24,), generator=g).tolist()]
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     return path, llm, [Sample(p, o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
 

@@ -27,7 +27,8 @@ VOCAB = 256
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
 QTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
-PROMPTS = [[3, 17, 200, 45, 9], [int(x) for x in torch.randint(0, VOCAB, (23,), generator=torch.Generator().manual_seed(7))]]
+PROMPTS = [[3, 17, 200, 45, 9],
+           [int(x) for x in torch.randint(0, VOCAB, (23,), generator=torch.Generator().manual_seed(7))]]
 
 
 def _random_hf(cfg) -> torch.nn.Module:

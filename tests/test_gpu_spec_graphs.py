@@ -15,11 +15,13 @@ from tercel.speculative import DEFAULT_DFLASH_DRAFT, DEFAULT_EAGLE3_DRAFT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-E3, DF = dict(speculative_draft_model_path=DEFAULT_EAGLE3_DRAFT), dict(speculative_draft_model_path=DEFAULT_DFLASH_DRAFT)
+E3, DF = (dict(speculative_draft_model_path=DEFAULT_EAGLE3_DRAFT),
+          dict(speculative_draft_model_path=DEFAULT_DFLASH_DRAFT))
 ALGOS = {  # the bundled drafts, named: the device machine's GGUF is not the installed default model
     "ngram": dict(speculative_algorithm="NGRAM"),
     "eagle3-chain": dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1, **E3),
-    "eagle3-tree": dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_num_draft_tokens=16, **E3),
+    "eagle3-tree": dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_num_draft_tokens=16,
+                        **E3),
     "dflash": dict(speculative_algorithm="DFLASH", **DF),
     "ddtree": dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16, **DF),
 }
@@ -90,8 +92,8 @@ def test_fp32_speculative_equals_plain(fp32, chats, name):
                                 for n in (2, 8, 9, 16, 32, 64)]
                          + [dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=n, **DF)
                             for n in (2, 8, 9, 16, 32, 64)]
-                         + [dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_num_draft_tokens=n,
-                                 **E3) for n in (2, 8, 9, 16)],
+                         + [dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4,
+                                 speculative_num_draft_tokens=n, **E3) for n in (2, 8, 9, 16)],
                          ids=lambda kw: "-".join(str(v) for k, v in kw.items() if k != "speculative_draft_model_path"))
 def test_every_block_size_and_budget_runs(bf16, chats, kw):
     llm = spec_llm(bf16, cuda_graph_max_bs=4, kv_cache_memory=2 << 30, **kw)

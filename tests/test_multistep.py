@@ -2,8 +2,9 @@
 the same tokens, finish reasons, text and stream deltas, with requests of mixed lengths, finishing
 inside a window (max_tokens not a multiple of N, EOS, stop ids, stop strings), arriving while others
 decode, aborted, or preempted by a tiny KV pool; seeded sampling included; batches that need host
-data per step (penalties, logprobs, pending min_tokens) fall back to single steps; the CUDA-graph runner path (driven on CPU) replays the
-decode graph once per forward with device-fed, padded input ids."""
+data per step (penalties, logprobs, pending min_tokens) fall back to single steps; the CUDA-graph
+runner path (driven on CPU) replays the decode graph once per forward with device-fed, padded input
+ids."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -204,8 +204,9 @@ def test_metrics(smol_llm, smol_chat_ids):
     assert m.num_prompt_tokens == len(smol_chat_ids[0]) and m.num_generated_tokens == 10
 
 
-@pytest.mark.parametrize("kw,name", [({"temperature": float("inf")}, "temperature"), ({"max_tokens": True}, "max_tokens"),
-                                     ({"seed": -1}, "seed"), ({"seed": 2**64}, "seed"), ({"top_k": 2.5}, "top_k")])
+@pytest.mark.parametrize("kw,name", [({"temperature": float("inf")}, "temperature"),
+                                     ({"max_tokens": True}, "max_tokens"), ({"seed": -1}, "seed"),
+                                     ({"seed": 2**64}, "seed"), ({"top_k": 2.5}, "top_k")])
 def test_bad_sampling_params_name_the_field(kw, name):
     with pytest.raises(ValueError, match=f"SamplingParams.{name}="):
         SamplingParams(**kw)

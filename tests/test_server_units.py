@@ -178,14 +178,16 @@ def test_server_asks_for_delta_outputs_and_joins_them():
         return RequestOutput("r", None, [1, 2], [CompletionOutput(0, text, ids, finish, None, lps)],
                              finish is not None, RequestMetrics(0.0), delta_text=text, delta_token_ids=ids)
 
-    first, second, last = delta("He", [5], [{5: -0.1}]), delta("", [], []), delta("llo", [6, 7], [{6: -1.0}, {7: -2.0}], "stop")
+    first, second, last = (delta("He", [5], [{5: -0.1}]), delta("", [], []),
+                           delta("llo", [6, 7], [{6: -1.0}, {7: -2.0}], "stop"))
     joined = None
     for d in (first, second, last):
         joined = _join_delta(joined, d)
     c = joined.outputs[0]
     assert (c.text, c.token_ids, c.finish_reason, joined.finished) == ("Hello", [5, 6, 7], "stop", True)
     assert c.logprobs == [{5: -0.1}, {6: -1.0}, {7: -2.0}]
-    assert first.outputs[0].token_ids == [5] and first.delta_token_ids == [5] and first.outputs[0].logprobs == [{5: -0.1}]
+    assert (first.outputs[0].token_ids == [5] and first.delta_token_ids == [5]
+            and first.outputs[0].logprobs == [{5: -0.1}])
     no_lps = _join_delta(_join_delta(None, delta("a", [3], None)), delta("b", [4], None, "length"))
     assert no_lps.outputs[0].logprobs is None and no_lps.outputs[0].token_ids == [3, 4]
 

@@ -56,7 +56,8 @@ def _check(llm, prompts, plain, n: int = 64):
 
 @pytest.mark.parametrize("kw,pick", [
     (dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1), slice(None)),
-    (dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_num_draft_tokens=16), slice(0, None, 4)),
+    (dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_num_draft_tokens=16),
+     slice(0, None, 4)),
     (dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_num_draft_tokens=8), slice(2, None, 4)),
     (dict(speculative_algorithm="NGRAM"), slice(1, None, 4)),
 ], ids=["eagle3-chain", "eagle3-tree16", "eagle3-tree8", "ngram"])

@@ -108,7 +108,8 @@ def test_warm_start_moved_to_another_aux_layer_sees_inputs_of_its_old_scale(tmp_
     torch.manual_seed(0)
     tcfg = _tiny_target(tmp_path).engine.model_config
     src = random_eagle3(tmp_path / "old", tcfg, aux_layer_ids=(0, 2, 4), std=0.3)
-    cfg = EagleDraftConfig.from_dict(eagle3_config_dict(tcfg, draft_vocab_size=None, aux_layer_ids=(0, 2, 3)), tcfg, "n")
+    cfg = EagleDraftConfig.from_dict(eagle3_config_dict(tcfg, draft_vocab_size=None, aux_layer_ids=(0, 2, 3)),
+                                     tcfg, "n")
     model = EagleDraftModel(cfg, 64, torch.float32, has_embed=False, has_head=False)
     assert warm_start(model, src) == (0, 2, 4)
     h = tcfg.hidden_size
@@ -174,8 +175,8 @@ def test_draft_vocabulary_is_the_most_frequent_response_tokens():
 def test_train_draft_writes_a_loadable_draft_and_resumes(tmp_path, smol_path, smol_llm):
     """(the CLI runs the same trainer: tercel train-draft --algorithm eagle3 --out DIR ...)"""
     out = tmp_path / "draft"
-    cfg = dict(out=str(out), target=smol_path, device="cpu", num_prompts=4, synth_prompts=2, max_new_tokens=4, max_len=48,
-               draft_vocab_size=256, intermediate_size=64, batch_size=2, save_every=1, ttt_steps=2)
+    cfg = dict(out=str(out), target=smol_path, device="cpu", num_prompts=4, synth_prompts=2, max_new_tokens=4,
+               max_len=48, draft_vocab_size=256, intermediate_size=64, batch_size=2, save_every=1, ttt_steps=2)
     Eagle3Trainer(Eagle3TrainConfig(max_steps=2, **cfg), llm=smol_llm).train()
     assert json.loads((out / "train_log.json").read_text())["steps"] == 2
     Eagle3Trainer(Eagle3TrainConfig(max_steps=3, **cfg), llm=smol_llm).train()  # resumes: one more step

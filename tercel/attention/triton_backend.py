@@ -4,8 +4,9 @@ Decode batches use the split-KV decode kernel; everything else (prefill chunks, 
 trees with custom masks) the extend kernel. RoPE and the K/V store are fused into one kernel
 (forward_rope); for decode batches RoPE and the store run inside the split-KV kernel itself
 (decode_attention_rope: two launches per layer instead of three; TERCEL_DECODE_ATTN picks, see
-tercel/kernels/__init__.py), and the kernel pulls the o_proj weight into L2 while it runs. Metadata is a handful of device tensors, so capture_metadata is cheap and
-graph-safe, and replays need no prepare_replay.
+tercel/kernels/__init__.py), and the kernel pulls the o_proj weight into L2 while it runs. Metadata
+is a handful of device tensors, so capture_metadata is cheap and graph-safe, and replays need no
+prepare_replay.
 """
 from __future__ import annotations
 

@@ -157,7 +157,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig = GemvConfig(
     _gemv_kernel[(triton.cdiv(n, c.block_n), splits)](
         x, weight, out, res, norm_weight if norm_weight is not None else x, k, per_split, weight.stride(0), n, eps,
         BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=splits, NORM=norm_weight is not None,
-        NORM_BLOCK=min(8192, triton.next_power_of_2(k)), NORM_AFTER=c.norm_after, SILU=silu, ADD=residual is not None, PDL=pdl,
+        NORM_BLOCK=min(8192, triton.next_power_of_2(k)), NORM_AFTER=c.norm_after, SILU=silu, ADD=residual is not None,
+        PDL=pdl,
         num_warps=c.num_warps, **launch)
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(n, 1024),)](out, y, res, x, n, SPLIT=splits, BLOCK=1024,

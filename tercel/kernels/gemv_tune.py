@@ -44,7 +44,8 @@ CANDIDATES = (
     GemvConfig(block_n=8, block_k=512, split_k=4), GemvConfig(block_n=4, block_k=1024, split_k=4, num_warps=8),
     GemvConfig(block_n=8, block_k=1024, num_warps=8), GemvConfig(block_n=32, block_k=256, num_warps=8),
     # small programs in many waves: the hardware balances the SMs' shares of a small matrix (qkv, o) better
-    GemvConfig(block_n=4, block_k=512), GemvConfig(block_n=2, block_k=1024), GemvConfig(block_n=2, block_k=2048, num_warps=8),
+    GemvConfig(block_n=4, block_k=512), GemvConfig(block_n=2, block_k=1024),
+    GemvConfig(block_n=2, block_k=2048, num_warps=8),
 )
 MIN_GAIN = 0.97  # keep a GEMV config only if it takes < 97% of cuBLAS's time
 MIN_GAIN_FUSED = 0.99  # a fused role: < 99% of the unfused ops' time

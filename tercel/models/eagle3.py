@@ -82,7 +82,8 @@ class EagleDraftConfig:
         if target_hidden != target.hidden_size:
             raise ConfigError(f"{source}: the draft expects target hidden size {target_hidden} "
                               f"({'target_hidden_size' if 'target_hidden_size' in d else 'hidden_size'}), but the "
-                              f"target's hidden_size is {target.hidden_size}; this draft was trained for another target.")
+                              f"target's hidden_size is {target.hidden_size}; "
+                              "this draft was trained for another target.")
         tie = bool(d.get("tie_word_embeddings", False))
         if kind == "eagle":
             return cls(kind, layers, vocab, target_hidden, (), tie)
@@ -91,7 +92,8 @@ class EagleDraftConfig:
                               f"(one midlayer) are supported.")
         draft_vocab = int(d.get("draft_vocab_size") or vocab)
         if not 0 < draft_vocab <= vocab:
-            raise ConfigError(f"{source}: draft_vocab_size={draft_vocab} must be in 1..{vocab} (the target vocabulary).")
+            raise ConfigError(f"{source}: draft_vocab_size={draft_vocab} must be in 1..{vocab} "
+                              "(the target vocabulary).")
         eagle_cfg = d.get("eagle_config") or {}
         ids = eagle_cfg.get("eagle_aux_hidden_state_layer_ids")
         ids = tuple(int(i) for i in ids) if ids else default_eagle3_layer_ids(target.num_layers)
@@ -107,7 +109,8 @@ class EagleDraftConfig:
         return cls(kind, layers, draft_vocab, target_hidden, ids, tie)
 
 
-def attention(attn: Attention, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], attend: AttendFn) -> torch.Tensor:
+def attention(attn: Attention, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+              attend: AttendFn) -> torch.Tensor:
     """One attention block of a draft layer: fused qkv, RoPE, the caller's attention over its KV, o_proj."""
     qkv = attn.qkv_proj(x)
     t, heads = qkv.shape[0], attn.num_heads + attn.num_kv_heads

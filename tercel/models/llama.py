@@ -350,7 +350,8 @@ class LlamaForCausalLM(nn.Module):
                     local, shard = local.replace(f".{piece}.", f".{fused}."), (fused, idx, piece)
                     break
             if local not in params:
-                raise ConfigError(f"{source}: unexpected tensor {name!r} (no such parameter in a {cfg.architecture} model).")
+                raise ConfigError(f"{source}: unexpected tensor {name!r} "
+                                  f"(no such parameter in a {cfg.architecture} model).")
             param = params[local]
             if shard is None:
                 target = param.data

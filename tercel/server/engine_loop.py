@@ -104,8 +104,8 @@ class AsyncEngine:
         # event-loop thread only:
         self._owners: dict[str, RequestGroup] = {}
         # Engine requests posted but not yet added to the engine (in the inbox or the fair queue). Both
-        # threads change it (under the lock), the engine thread right before each add: at worst a moment's under-count, never
-        # an over-count that would answer a spurious 429.
+        # threads change it (under the lock), the engine thread right before each add: at worst a moment's
+        # under-count, never an over-count that would answer a spurious 429.
         self._pending = 0
         self._pending_lock = threading.Lock()
         self.draining = False

@@ -67,7 +67,8 @@ class SpecConfig:
                 raise ConfigError(f"speculative_algorithm={algo} needs speculative_draft_model_path (a DFlash draft "
                                   f"directory); only the default model has a bundled one.")
             if num_draft_tokens is not None and num_draft_tokens < 2:
-                raise ConfigError(f"speculative_num_draft_tokens={num_draft_tokens} (the DFlash block size) must be >= 2.")
+                raise ConfigError(f"speculative_num_draft_tokens={num_draft_tokens} (the DFlash block size) "
+                                  "must be >= 2.")
             budget = None
             if algo == "DDTREE":
                 budget = DEFAULT_DDTREE_BUDGET if ddtree_budget is None else ddtree_budget

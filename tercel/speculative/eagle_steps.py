@@ -173,7 +173,8 @@ class EagleExtendStep(_DraftStep):
         w = self.tokens_per_request
         return [
             BufferSpec("ids", Per.TOKEN, torch.long, Pad.HEAD_ONLY),
-            BufferSpec("hidden", Per.TOKEN, self.model.fc.weight.dtype, Pad.ZERO, shape=(target_hidden_width(self.model),)),
+            BufferSpec("hidden", Per.TOKEN, self.model.fc.weight.dtype, Pad.ZERO,
+                       shape=(target_hidden_width(self.model),)),
             BufferSpec("positions", Per.TOKEN, torch.long, Pad.ZERO),
             BufferSpec("out_cache_loc", Per.TOKEN, torch.long, Pad.ZERO),
             BufferSpec("seq_lens", Per.REQUEST, torch.long, Pad.SENTINEL, sentinel=w),

@@ -196,7 +196,8 @@ class SpecWorker:
             self.verify_runner = self.verify_runners[self.num_draft_tokens]
             self.drafter.init_graphs(config, max_blocks)
             # TERCEL_SPEC_CHAIN=0: separate draft / verify / extend graphs only (side-by-side measurements)
-            chain_step = self.drafter.chain_step(max_blocks) if os.environ.get("TERCEL_SPEC_CHAIN", "1") != "0" else None
+            chain_step = (self.drafter.chain_step(max_blocks) if os.environ.get("TERCEL_SPEC_CHAIN", "1") != "0"
+                          else None)
             if chain_step is not None:
                 from .chain_loop import ChainLoop
 
@@ -238,8 +239,8 @@ class SpecWorker:
         # 1. draft: host trees, or greedy chains that stay on the device until the step's one sync
         plain = width == 1
         width = width or self.num_draft_tokens
-        proposal = self.drafter.propose(reqs) if not plain else [DraftTree.chain((r.output_token_ids or r.prompt_token_ids)[-1], [])
-                                                                 for r in reqs]
+        proposal = self.drafter.propose(reqs) if not plain else [
+            DraftTree.chain((r.output_token_ids or r.prompt_token_ids)[-1], []) for r in reqs]
         trees: list[DraftTree] | None = None
         device_tokens = None
         if isinstance(proposal, DeviceChains):

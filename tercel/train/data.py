@@ -41,9 +41,12 @@ EVAL_CHAT_PROMPTS = [
     "Describe a typical day of a lighthouse keeper.", "What should I pack for a weekend hiking trip?",
 ]
 EVAL_CODE_PROMPTS = [
-    "Write a Python function that reverses a string.", "Write a Python function that checks whether a number is prime.",
-    "Write a Python class for a stack with push, pop and peek.", "Explain what a Python list comprehension is, with an example.",
-    "Write a Python function that counts the words in a text file.", "Write a SQL query that finds the ten most recent orders.",
+    "Write a Python function that reverses a string.",
+    "Write a Python function that checks whether a number is prime.",
+    "Write a Python class for a stack with push, pop and peek.",
+    "Explain what a Python list comprehension is, with an example.",
+    "Write a Python function that counts the words in a text file.",
+    "Write a SQL query that finds the ten most recent orders.",
     "Write a Python function that merges two sorted lists.", "How do I read a CSV file in Python?",
     "Write a JavaScript function that debounces another function.", "Write a Python function for binary search.",
 ]
@@ -61,8 +64,9 @@ EVAL_SUBJECTS = ("ocean", "capital of france", "autumn", "hash table", "cook", "
 QUESTION_OPENERS = (
     "What is", "What are", "What was", "Why do", "Why is", "Why are", "How does", "How do", "How can I", "How do I",
     "Explain", "Explain how", "Describe", "Describe how", "Tell me about", "Tell me a", "Write a short", "Write a",
-    "Write a poem", "Write a story", "Give me", "Give me three", "List", "Summarize", "Compare", "What's the difference",
-    "Can you explain", "What should I", "Which", "Who was", "When did", "Suggest", "Help me", "Is it true that",
+    "Write a poem", "Write a story", "Give me", "Give me three", "List", "Summarize", "Compare",
+    "What's the difference", "Can you explain", "What should I", "Which", "Who was", "When did", "Suggest",
+    "Help me", "Is it true that",
     "Write a Python function", "Write a Python script", "Write a JavaScript function", "Write a SQL query",
     "Write a function", "How do I write", "In Python, how", "Write a class", "Fix this code", "What does this code",
 )
@@ -217,7 +221,8 @@ def make_dataset(llm, num_prompts: int, synth_prompts: int, max_new_tokens: int,
     seeds); the parts are joined with merge_samples. Several processes keep one GPU busier than one,
     whose per-step host work would leave it idle."""
     if not 0.0 < synth_share < 1.0:
-        raise ValueError(f"synth_share={synth_share} must be in (0, 1): the share of the time budget for writing prompts.")
+        raise ValueError(f"synth_share={synth_share} must be in (0, 1): "
+                         "the share of the time budget for writing prompts.")
     if not 0.0 <= opener_share <= 1.0:
         raise ValueError(f"opener_share={opener_share} must be in [0, 1]: the share of synthetic prompts started "
                          "with a question opener.")
@@ -233,7 +238,8 @@ def make_dataset(llm, num_prompts: int, synth_prompts: int, max_new_tokens: int,
         if count:
             share = count / per_shard
             synth += synth_user_prompts(llm, count, seed + k * SHARD_SEED_STRIDE + offset, wave=wave, openers=openers,
-                                        time_budget_s=None if time_budget_s is None else time_budget_s * synth_share * share)
+                                        time_budget_s=(None if time_budget_s is None
+                                                       else time_budget_s * synth_share * share))
     offline = build_prompts(num_prompts, seed)[k::n]
     prompts = offline + synth
     random.Random(seed).shuffle(prompts)
@@ -314,7 +320,8 @@ def pack_batch(samples: list[Sample], max_len: int, pad_id: int = 0) -> tuple[to
 
 
 @torch.no_grad()
-def target_features(model: LlamaForCausalLM, ids: torch.Tensor, layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def target_features(model: LlamaForCausalLM, ids: torch.Tensor,
+                    layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense causal forward of the target over right-padded ids [B, T] (no KV cache, no sliding
     window). Returns (outputs of `layer_ids` concatenated [B, T, n * H], final normed hidden [B, T, H])."""
     b, t = ids.shape

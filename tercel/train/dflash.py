@@ -1,10 +1,11 @@
 """Train a DFlash block draft for a target by self-distillation.
 
 Data: the target's own responses (tercel.train.data: Sample, built offline) and the target's hidden
-states at the chosen layers (data.target_features), computed per batch. Each step samples random anchor positions in every response: a block is
-[token at anchor, mask x (S - 1)] that sees the context before the anchor, and learns the next
-S - 1 tokens, with the loss weighted toward early block positions (w_j = exp(-(j - 1) / gamma)),
-since an early miss ends the accepted prefix. Embedding and lm_head are the target's, frozen.
+states at the chosen layers (data.target_features), computed per batch. Each step samples random
+anchor positions in every response: a block is [token at anchor, mask x (S - 1)] that sees the
+context before the anchor, and learns the next S - 1 tokens, with the loss weighted toward early
+block positions (w_j = exp(-(j - 1) / gamma)), since an early miss ends the accepted prefix.
+Embedding and lm_head are the target's, frozen.
 """
 from __future__ import annotations
 
@@ -259,7 +260,8 @@ def run_training(target: str | None, out: str | Path, device: str = "auto", num_
         samples = make_dataset(llm, num_prompts, synth_prompts, max_new_tokens, gen_temperature, seed,
                                wave=4 * gen_batch, time_budget_s=gen_time_budget_s, opener_share=synth_opener_share)
         save_samples(samples, data_path)
-    samples = [Sample(s.prompt, s.response[:max(0, max_len - len(s.prompt))]) for s in samples if len(s.prompt) < max_len]
+    samples = [Sample(s.prompt, s.response[:max(0, max_len - len(s.prompt))])
+               for s in samples if len(s.prompt) < max_len]
     cfg = cfg or DFlashTrainConfig()
     if cfg.mask_token_id is None:
         cfg.mask_token_id = choose_mask_token(llm.tokenizer, model.config.vocab_size)

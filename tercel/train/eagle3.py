@@ -99,7 +99,8 @@ def warm_start(model: EagleDraftModel, path: str | Path) -> tuple[int, ...] | No
 
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"init_from={str(path)!r}: no *.safetensors there (an exported EAGLE-3 draft directory).")
+        raise FileNotFoundError(f"init_from={str(path)!r}: no *.safetensors there "
+                                "(an exported EAGLE-3 draft directory).")
     src = {k.removeprefix("model."): v for k, v in hf.iter_safetensors(files)}
     for key in ("midlayer.self_attn.q_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.down_proj.weight"):
         if key not in src:
@@ -119,7 +120,8 @@ def warm_start(model: EagleDraftModel, path: str | Path) -> tuple[int, ...] | No
             [(src[name], p)] if name in src else []
         for t, dst in pairs:
             if t.dim() != dst.dim():
-                raise ValueError(f"init_from={str(path)!r}: {name} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}.")
+                raise ValueError(f"init_from={str(path)!r}: {name} has shape {tuple(t.shape)}, "
+                                 f"expected {tuple(dst.shape)}.")
             sl = tuple(slice(0, min(a, b)) for a, b in zip(dst.shape, t.shape))
             dst[sl] = t[sl].to(dst)
     log.info("warm start from %s", path)
@@ -356,7 +358,8 @@ class Eagle3Trainer:
         # one gather over all response tokens on the host, not a device sync per sample (96 k samples)
         tokens = torch.tensor([t for s in samples for t in s.response], dtype=torch.long)
         coverage = float(in_vocab_host[tokens].float().mean()) if tokens.numel() else 0.0
-        amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+        amp = (torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda"
+               else torch.autocast("cpu", enabled=False))
         rng = random.Random(cfg.seed + step)
         # length-sorted buckets keep padding low
         order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt) + len(samples[i].response))
