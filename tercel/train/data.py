@@ -59,8 +59,8 @@ EVAL_SUBJECTS = ("ocean", "capital of france", "autumn", "hash table", "cook", "
 
 # Openers of user messages for synth_user_prompts(openers=...): the Magpie prompts SmolLM2 writes
 # unprompted are mostly long requests for personal advice, whose answers a draft predicts more easily
-# than users' questions (docs/training-drafts.md); starting the turn with a question or task opener makes the target write the short questions and
-# tasks users ask. Generic words only.
+# than users' questions (docs/training-drafts.md); starting the turn with a question or task opener
+# makes the target write the short questions and tasks users ask. Generic words only.
 QUESTION_OPENERS = (
     "What is", "What are", "What was", "Why do", "Why is", "Why are", "How does", "How do", "How can I", "How do I",
     "Explain", "Explain how", "Describe", "Describe how", "Tell me about", "Tell me a", "Write a short", "Write a",
