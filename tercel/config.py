@@ -238,9 +238,18 @@ class KernelConfig:
                                  parse=parse_int, check=positive_int(optional=True))
 
 
+@dataclass(slots=True)
+class ParallelConfig:
+    """parallelism: tensor parallelism over torch.distributed (docs/parallel.md)"""
+
+    tp_size: int = option(1, "tensor-parallel ranks: one process (and GPU) per rank, started by Tercel or by "
+                             "torchrun (default 1)", parse=parse_int, check=positive_int())
+
+
 # section attribute -> prefix of its fields' keyword arguments and flags (a section's docstring titles its
 # flags in --help)
-SECTION_PREFIX = {"model": "", "cache": "", "scheduler": "", "graph": "", "speculative": "speculative_", "kernel": ""}
+SECTION_PREFIX = {"model": "", "cache": "", "scheduler": "", "graph": "", "speculative": "speculative_", "kernel": "",
+                  "parallel": ""}
 
 
 @dataclass(slots=True)
@@ -254,6 +263,7 @@ class EngineConfig:
     graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     kernel: KernelConfig = field(default_factory=KernelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -28,6 +28,7 @@ import logging
 import numbers
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +96,20 @@ def engine_config(model: "str | Path | EngineConfig | None", config: EngineConfi
     return copy.deepcopy(config)  # the engine fills in resolved values (max_model_len, AUTO speculation)
 
 
+def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
+    """KV blocks for this process: num_kv_blocks, else the byte budget (GPU: a share of free memory)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    budget = config.kv_cache_memory
+    if budget is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * config.gpu_memory_utilization)
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+    return blocks_for_budget(spec, budget)
+
+
 @dataclass(slots=True)
 class EngineStats:
     num_running: int
@@ -149,10 +164,22 @@ class LLMEngine:
         self._download_stream = None  # CUDA (set with the stager): the stream that brings window tokens to the host
         self.dtype = parse_dtype(m.dtype, self.device)
         self.rng = torch.Generator().manual_seed(sched.seed)
-        if loaded is None:
+        self.tp_group = None  # tensor parallelism (tercel.distributed): the ranks' group; None: one process
+        self._draft_target = None
+        if config.parallel.tp_size > 1:
+            loaded = self._start_tensor_parallel(config, loaded, tokenizer)
+        elif loaded is None:
             loaded = load_model(m.model, self.dtype, self.device, max_model_len=m.max_model_len,
                                 load_tokenizer_too=not m.skip_tokenizer_init, progress=m.progress,
                                 dequantize_gguf=m.dequantize_gguf, tokenizer=tokenizer)
+        try:
+            self._init_after_load(config, loaded)
+        except BaseException:
+            self.close()
+            raise
+
+    def _init_after_load(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        m, sched = config.model, config.scheduler
         self.loaded = loaded
         self.model = loaded.model
         self.model_config = loaded.config
@@ -161,8 +188,11 @@ class LLMEngine:
         m.max_model_len = m.max_model_len or self.model.max_positions
         self.config = config
         block_size = config.cache.block_size
-        spec = KVCacheSpec.for_model(self.model_config, block_size, self.dtype)
-        self.kv = PagedKVCache(spec, self._num_blocks(spec), self.device)
+        spec = KVCacheSpec.for_model(self.model.config, block_size, self.dtype)  # a TP rank's model: its KV heads
+        num_blocks = num_kv_blocks(config, spec, self.device)
+        if self.tp_group is not None:  # the same pool on every rank: the smallest any rank can hold
+            num_blocks = self.tp_group.min_int(num_blocks)
+        self.kv = PagedKVCache(spec, num_blocks, self.device)
         usable_tokens = self.kv.allocator.num_usable * block_size
         if usable_tokens < self.config.max_model_len:
             raise ConfigError(
@@ -207,7 +237,12 @@ class LLMEngine:
                         log.warning("batch-1 GEMV tuning failed (%s); using cuBLAS for every linear", e)
         # CPU tests drive the same runners with the breakable-debug backend (forwards re-run on static buffers)
         g = config.graph
-        if not g.disable_cuda_graph and (self.device.type == "cuda" or g.cuda_graph_backend == "breakable-debug"):
+        if self.tp_group is not None:
+            if not g.disable_cuda_graph and self.device.type == "cuda":
+                # a graph would capture the all-reduces, and every rank would have to capture and replay
+                # it in step with rank 0: not built yet
+                log.warning("tensor parallelism runs eagerly: no CUDA graphs are captured with tp_size > 1 (yet)")
+        elif not g.disable_cuda_graph and (self.device.type == "cuda" or g.cuda_graph_backend == "breakable-debug"):
             self._init_graphs(g.cuda_graph_max_bs, g.cuda_graph_bs, g.cuda_graph_backend, sched.max_num_seqs)
 
     def _init_graphs(self, max_bs: int | None, batch_sizes: list[int] | None, backend: str, max_num_seqs: int) -> None:
@@ -236,17 +271,51 @@ class LLMEngine:
             return self._stager.upload(lists)
         return [torch.tensor(x, dtype=torch.long, device=self.device) for x in lists]
 
-    def _num_blocks(self, spec: KVCacheSpec) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        budget = self.config.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * self.config.gpu_memory_utilization)
-            else:
-                budget = CPU_DEFAULT_KV_BYTES
-        return blocks_for_budget(spec, budget)
+    # ---- tensor parallelism (tercel.distributed, docs/parallel.md) ------------------------------
+    def _start_tensor_parallel(self, config: EngineConfig, loaded: LoadedModel | None,
+                               tokenizer: Tokenizer | None) -> LoadedModel:
+        """Check the split (before any weight loads), start the other ranks, load rank 0's shard. Every
+        target forward rank 0 runs is then sent to the followers first (the model's tp.mirror)."""
+        from functools import partial
+
+        from .distributed import launch
+        from .distributed.comm import send_forward
+        from .distributed.follower import load_rank
+        from .distributed.shard import check_splittable
+        from .loader.model_loader import read_checkpoint
+
+        if loaded is not None:
+            raise ConfigError("tp_size > 1 loads each rank's shard itself: pass a model path, not loaded=.")
+        check_splittable(read_checkpoint(config.model.model).config, config.parallel.tp_size, self.device)
+        group = self.tp_group = launch.start(config, self.device)
+        self._tp_finalizer = weakref.finalize(self, launch.shutdown, group)
+        self.device = group.device
+        try:
+            loaded = load_rank(config, group, tokenizer_too=True, tokenizer=tokenizer)
+        except BaseException:
+            self.close()
+            raise
+        loaded.model.tp.mirror = partial(send_forward, group)
+        return loaded
+
+    @property
+    def draft_target(self):
+        """What a draft reads of the target (embed_tokens, lm_head_weight, compute_logits): the target
+        itself, or under tensor parallelism rank 0's whole copies (drafts run on rank 0, replicated)."""
+        if self.tp_group is None:
+            return self.model
+        if self._draft_target is None:
+            from .distributed.layers import ReplicatedHead
+
+            self._draft_target = ReplicatedHead.load(self.config.model.model, self.model_config, self.dtype,
+                                                     self.device)
+        return self._draft_target
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (a no-op with one process; also done when the engine is collected
+        or the process exits)."""
+        if self.tp_group is not None:
+            self._tp_finalizer()
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

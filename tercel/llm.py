@@ -30,6 +30,16 @@ class LLM:
     def __init__(self, model: str | Path | EngineConfig | None = None, **engine_kwargs) -> None:
         self.engine = LLMEngine(model, **engine_kwargs)
 
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks now (tp_size > 1; they stop at exit anyway). `with LLM(...)` closes too."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

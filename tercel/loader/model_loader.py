@@ -5,6 +5,7 @@ import importlib.metadata
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -16,6 +17,9 @@ from ..models.interface import TargetModel
 from ..models.registry import model_class
 from . import gguf_file, hf
 from .tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from ..distributed.shard import TPShard
 
 log = logging.getLogger(__name__)
 
@@ -131,15 +135,23 @@ def checked_max_model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
 
 def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
                load_tokenizer_too: bool = True, progress: bool = True, dequantize_gguf: bool = False,
-               tokenizer: Tokenizer | None = None) -> LoadedModel:
+               tokenizer: Tokenizer | None = None, shard: "TPShard | None" = None) -> LoadedModel:
     """max_model_len: longest sequence served (sizes the RoPE table); default min(model's, 8192).
     tokenizer: one already loaded (else loaded here when load_tokenizer_too, before the weights, so a
     broken tokenizer fails fast).
     bf16 on CPU: linears are prepacked for oneDNN, and a GGUF's Q4_0 / Q4_1 matrices stay 4-bit
-    unless dequantize_gguf (models.cpu_linear); fp32 and GPU models run dense weights."""
+    unless dequantize_gguf (models.cpu_linear); fp32 and GPU models run dense weights.
+    shard: tensor parallelism (tercel.distributed): build and load only this rank's slice; the returned
+    config stays the whole model's."""
     ckpt = read_checkpoint(model)
     path, is_gguf, cfg, raw, reader = ckpt.path, ckpt.is_gguf, ckpt.config, ckpt.raw, ckpt.reader
-    if is_gguf:
+    if shard is not None:
+        from ..distributed.loader import iter_gguf_shard, iter_safetensors_shard
+
+        tensors = (iter_gguf_shard(reader, path, raw, shard) if is_gguf
+                   else iter_safetensors_shard(hf.safetensors_files(path), shard))
+        total = len(reader.tensors) if is_gguf else hf.count_tensors(hf.safetensors_files(path))
+    elif is_gguf:
         tensors = gguf_file.iter_gguf_tensors(reader, path, raw)
         total = len(reader.tensors)
     else:
@@ -149,11 +161,12 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     max_model_len = checked_max_model_len(cfg, max_model_len)
     if tokenizer is None and load_tokenizer_too:
         tokenizer = load_tokenizer(path, is_gguf)
-    net = build_model(cfg, max_model_len, dtype, device)
+    net = build_model(cfg if shard is None else shard.local_config(cfg), max_model_len, dtype, device)
     bar = tqdm(tensors, total=total, desc=f"Loading {path.name}", unit="tensor", disable=not progress, leave=False)
     net.load_weights(((n, t.to(device)) for n, t in bar), source=str(path))
     if wants_cpu_packing(device, dtype):
-        q4 = dict(gguf_file.iter_q4_weights(reader, raw)) if is_gguf and not dequantize_gguf else {}
+        keep_q4 = is_gguf and not dequantize_gguf and shard is None  # a shard's 4-bit blocks are not kept (yet)
+        q4 = dict(gguf_file.iter_q4_weights(reader, raw)) if keep_q4 else {}
         net.pack_cpu_linears(q4)
     eos = set(cfg.eos_token_ids)
     if not is_gguf and (path / "generation_config.json").is_file():

@@ -197,6 +197,9 @@ class LlamaForCausalLM(nn.Module):
         self.attn_backend = attn_backend
         self.aux_layer_ids: tuple[int, ...] = ()
         self.set_aux_layers(aux_layer_ids)
+        # tensor parallelism (tercel.distributed.layers.TensorParallel): this model then holds one rank's
+        # shard and forwards through _forward_tp; None (one process) leaves every path below unchanged
+        self.tp = None
 
     def init_buffers(self, device: torch.device) -> None:
         """The RoPE tables, computed on device (after a meta-device build and `to_empty`)."""
@@ -253,6 +256,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: PagedKVCache, input_embeds: torch.Tensor | None = None,
                 attn_meta: object | None = None) -> ModelOutput:
         """attn_meta: metadata prepared by the caller (graph capture: attn_backend.capture_metadata)."""
+        if self.tp is not None:
+            return self._forward_tp(batch, kv, input_embeds, attn_meta)
         meta = attn_meta if attn_meta is not None else self.attn_backend.prepare(batch, kv.block_size)
         h = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
         mode = batch.capture_hidden_mode
@@ -291,6 +296,38 @@ class LlamaForCausalLM(nn.Module):
             if len(self.layers) - 1 in aux_ids:
                 aux.append(h)
         logits = self.compute_logits(normed if every_row else normed[batch.logits_indices])
+        return ModelOutput(logits=logits, hidden_states=self._hidden(mode, aux, normed, batch, every_row))
+
+    def _forward_tp(self, batch: ForwardBatch, kv: PagedKVCache, input_embeds: torch.Tensor | None,
+                    attn_meta: object | None) -> ModelOutput:
+        """One rank's share of a tensor-parallel forward (docs/parallel.md): the unfused layer loop on this
+        rank's heads and MLP columns, the attention and MLP outputs summed over ranks, vocab-parallel
+        embedding and head. Rank 0 first sends the batch to the followers (tp.mirror), who run the same."""
+        tp = self.tp
+        if tp.mirror is not None:
+            tp.mirror(batch, input_embeds)
+        meta = attn_meta if attn_meta is not None else self.attn_backend.prepare(batch, kv.block_size)
+        h = tp.embed(batch.input_ids, self.embed_tokens.weight) if input_embeds is None else input_embeds
+        mode = batch.capture_hidden_mode
+        aux_ids = self.aux_layer_ids if mode != CaptureHiddenMode.NULL else ()
+        cos_sin = self.rope.lookup(batch.positions)
+        aux: list[torch.Tensor] = []
+        every_row = batch.logits_indices.shape[0] == h.shape[0]
+        residual, delta = h, None
+        for i, layer in enumerate(self.layers):
+            if delta is None:
+                x = layer.input_layernorm.forward(residual)
+            else:
+                x, residual = layer.input_layernorm.add_forward(delta, residual)
+                if i - 1 in aux_ids:
+                    aux.append(residual)  # whole after the all-reduce: aux capture works as on one rank
+            attn = tp.all_reduce(layer.self_attn.forward(x, cos_sin, self.attn_backend, batch, meta, kv))
+            x, residual = layer.post_attention_layernorm.add_forward(attn, residual)
+            delta = tp.all_reduce(layer.mlp.forward(x))
+        normed, h = self.norm.add_forward(delta, residual)
+        if len(self.layers) - 1 in aux_ids:
+            aux.append(h)
+        logits = tp.gather_logits(self.compute_logits(normed if every_row else normed[batch.logits_indices]))
         return ModelOutput(logits=logits, hidden_states=self._hidden(mode, aux, normed, batch, every_row))
 
     def _hidden(self, mode: CaptureHiddenMode, aux: list[torch.Tensor], normed: torch.Tensor | None,

@@ -162,7 +162,7 @@ class DFlashDrafter(Drafter):
         n_drafts = [max(1, min(s - 1, r.params.max_tokens - len(r.output_token_ids), max_len - r.num_tokens))
                     for r in reqs]
         block_lens = None if min(n_drafts) == s - 1 else torch.tensor(n_drafts) + 1
-        target = eng.model
+        target = eng.draft_target  # the target itself; tensor parallel: rank 0's whole copies
         embeds = target.embed_tokens(block_ids.to(dev)) * self.draft.config.input_embedding_scale
         hidden = self.draft(embeds, positions.to(dev), ctx_slots.to(dev), ctx_mask.to(dev), self.cache, block_lens)
         logits = target.compute_logits(hidden[:, 1:]) * self.draft.config.output_multiplier  # [B, S-1, V]

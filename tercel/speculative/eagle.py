@@ -102,7 +102,7 @@ class EagleDrafter(Drafter):
         self.model = model
         self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
         self.aux_layer_ids = model.config.aux_layer_ids
-        target = engine.model
+        target = engine.draft_target  # the target itself; tensor parallel: rank 0's whole copies
         model.share_target(target.embed_tokens.weight, target.lm_head_weight, target.compute_logits)
         if token_map is not None:
             from .token_map import load_token_map
