@@ -191,7 +191,9 @@ class LLMEngine:
         spec = KVCacheSpec.for_model(self.model.config, block_size, self.dtype)  # a TP rank's model: its KV heads
         num_blocks = num_kv_blocks(config, spec, self.device)
         if self.tp_group is not None:  # the same pool on every rank: the smallest any rank can hold
-            num_blocks = self.tp_group.min_int(num_blocks)
+            num_blocks = self.tp_group.agree_start(num_blocks)
+            if num_blocks <= 0:
+                raise ConfigError("a tensor-parallel rank failed to load its shard (its error is printed above).")
         self.kv = PagedKVCache(spec, num_blocks, self.device)
         usable_tokens = self.kv.allocator.num_usable * block_size
         if usable_tokens < self.config.max_model_len:

@@ -121,6 +121,16 @@ def test_unsplittable_heads_fail_before_loading(tmp_path):
         LLM(str(tmp_path / "kv"), tp_size=3, **BASE)
 
 
+def test_a_rank_failing_to_start_stops_every_rank(llama):
+    """Rank 0 fails after the follower loaded (this checkpoint has no tokenizer): the follower is told,
+    exits, and the error reaches the caller; nothing waits in a collective."""
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match="tokenizer"):
+        LLM(llama, tp_size=2, **{**BASE, "skip_tokenizer_init": False})
+    assert multiprocessing.active_children() == []
+    assert time.perf_counter() - start < 60
+
+
 def test_tp_size_is_one_setting_of_both_command_lines():
     from tercel.cli import build_parser
     from tercel.cli_args import engine_config_from_args

@@ -45,19 +45,24 @@ def load_rank(config: EngineConfig, group: TPGroup, tokenizer_too: bool, tokeniz
     return loaded
 
 
-def kv_pool(config: EngineConfig, group: TPGroup, loaded: LoadedModel, dtype: torch.dtype) -> PagedKVCache:
-    """This rank's KV shard. Every rank sizes its pool from its own memory, then all take the smallest
-    count, so a block id means the same block everywhere."""
+def serve(group: TPGroup, config: EngineConfig) -> None:
     from ..engine import num_kv_blocks
 
-    spec = KVCacheSpec.for_model(loaded.model.config, config.cache.block_size, dtype)
-    return PagedKVCache(spec, group.min_int(num_kv_blocks(config, spec, group.device)), group.device)
-
-
-def serve(group: TPGroup, config: EngineConfig) -> None:
     torch.set_grad_enabled(False)
-    loaded = load_rank(config, group, tokenizer_too=False)
-    kv = kv_pool(config, group, loaded, parse_dtype(config.model.dtype, group.device))
+    try:
+        loaded = load_rank(config, group, tokenizer_too=False)
+        spec = KVCacheSpec.for_model(loaded.model.config, config.cache.block_size,
+                                     parse_dtype(config.model.dtype, group.device))
+        blocks = num_kv_blocks(config, spec, group.device)
+    except BaseException:
+        group.agree_start(-1)  # rank 0 raises instead of waiting for this rank
+        raise
+    # every rank sizes its pool from its own memory, then all take the smallest count, so a block id
+    # means the same block everywhere
+    blocks = group.agree_start(blocks)
+    if blocks <= 0:  # rank 0 (or another rank) failed to start
+        return
+    kv = PagedKVCache(spec, blocks, group.device)
     model = loaded.model
     with torch.inference_mode():
         while (batch := recv(group)) is not None:

@@ -124,7 +124,10 @@ def shutdown(group: TPGroup) -> None:
         return
     group.closed = True
     try:
-        send_op(group, Op.SHUTDOWN)
+        if group.serving:
+            send_op(group, Op.SHUTDOWN)
+        elif not group.started:  # rank 0 failed while starting: the followers wait in agree_start
+            group.agree_start(-1)
     except Exception as e:  # a follower already gone: nothing to tell
         log.warning("tensor parallel shutdown: %s", e)
     _stop(group.followers)

@@ -25,6 +25,8 @@ class TPGroup:
     pg: object  # the c10d ProcessGroup
     store: object  # the rendezvous store: kept alive as long as the group
     followers: list = field(default_factory=list)  # processes this rank spawned (rank 0, spawn mode)
+    started: bool = False  # the ranks met in agree_start (with or without success)
+    serving: bool = False  # every rank loaded its shard and sized its KV pool (rank 0 may send forwards)
     closed: bool = False
 
     @classmethod
@@ -45,6 +47,13 @@ class TPGroup:
         """Sum over ranks, in place (t must be contiguous); returns t."""
         self.pg.allreduce([t]).wait()
         return t
+
+    def agree_start(self, num_blocks: int) -> int:
+        """Every rank's KV block count -> the smallest, once all ranks loaded; a rank that failed to load
+        sends -1, and then every rank gets -1 and stops (no rank is left waiting in a collective)."""
+        n = self.min_int(num_blocks)
+        self.started, self.serving = True, n > 0
+        return n
 
     def min_int(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.long, device=self.device)
