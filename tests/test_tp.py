@@ -106,6 +106,39 @@ def test_gguf_q8_0_tp2_equals_tp1(tmp_path):
     assert _greedy(str(path), tp_size=2) == _greedy(str(path))
 
 
+TORCHRUN_SCRIPT = """
+import json, sys
+from tercel import LLM, SamplingParams
+llm = LLM(sys.argv[1], tp_size=2, **json.loads(sys.argv[2]))  # ranks > 0 serve rank 0 here, then exit
+outs = llm.generate(json.loads(sys.argv[3]), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+llm.close()
+print("TOKENS", json.dumps([o.outputs[0].token_ids for o in outs]))
+"""
+
+
+def test_torchrun_ranks_run_the_same_script(llama, tmp_path):
+    """Under torchrun every rank runs the user's script: rank 1 becomes a follower inside LLM(...) and exits
+    when rank 0 closes (the same code path as several hosts)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from server_harness import free_port
+
+    script = tmp_path / "run.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                           str(free_port()), str(script), llama, json.dumps(BASE), json.dumps(PROMPTS)],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("TOKENS"))
+    assert json.loads(line.removeprefix("TOKENS ")) == _greedy(llama)
+
+
 def test_unsplittable_heads_fail_before_loading(tmp_path):
     """SmolLM2-135M's 9 heads do not split over 2 ranks: a ConfigError with the fix, raised from the config
     alone (this checkpoint has no weights at all) and before any rank starts."""
