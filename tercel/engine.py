@@ -288,7 +288,9 @@ class LLMEngine:
 
         if loaded is not None:
             raise ConfigError("tp_size > 1 loads each rank's shard itself: pass a model path, not loaded=.")
-        check_splittable(read_checkpoint(config.model.model).config, config.parallel.tp_size, self.device)
+        info = launch.torchrun_rank()
+        check_splittable(read_checkpoint(config.model.model).config, config.parallel.tp_size, self.device,
+                         ranks_here=None if info is None else info.local_size)
         group = self.tp_group = launch.start(config, self.device)
         self._tp_finalizer = weakref.finalize(self, launch.shutdown, group)
         self.device = group.device

@@ -36,6 +36,7 @@ class RankInfo:
     rank: int
     size: int
     local_rank: int
+    local_size: int  # ranks on this host
 
 
 def torchrun_rank() -> RankInfo | None:
@@ -43,7 +44,7 @@ def torchrun_rank() -> RankInfo | None:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return RankInfo(rank, size, int(os.environ.get("LOCAL_RANK", rank)))
+    return RankInfo(rank, size, int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", size)))
 
 
 def rank_device(device: torch.device, local_rank: int) -> torch.device:

@@ -19,8 +19,9 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in ds[:-1]) + f" or {ds[-1]}" if len(ds) > 1 else str(ds[0])
 
 
-def check_splittable(cfg: ModelConfig, tp_size: int, device: torch.device) -> None:
-    """ConfigError naming the numbers and the fix when cfg cannot run on tp_size ranks."""
+def check_splittable(cfg: ModelConfig, tp_size: int, device: torch.device, ranks_here: int | None = None) -> None:
+    """ConfigError naming the numbers and the fix when cfg cannot run on tp_size ranks. ranks_here: the
+    ranks on this host (torchrun's LOCAL_WORLD_SIZE; default all of them), each of which needs a GPU."""
     if tp_size == 1:
         return
     if cfg.num_heads % tp_size:
@@ -35,9 +36,11 @@ def check_splittable(cfg: ModelConfig, tp_size: int, device: torch.device) -> No
         if n % tp_size:
             raise ConfigError(f"tp_size={tp_size} does not divide {name}={n}; use a tp_size that divides it "
                               f"({_divisors(n) if n < 10_000 else 'e.g. 1'}).")
-    if device.type == "cuda" and tp_size > torch.cuda.device_count():
-        raise ConfigError(f"tp_size={tp_size} but only {torch.cuda.device_count()} GPU(s) are visible; lower "
-                          f"tp_size, or start the ranks on several hosts with torchrun (docs/parallel.md).")
+    here = tp_size if ranks_here is None else ranks_here
+    if device.type == "cuda" and here > torch.cuda.device_count():
+        raise ConfigError(f"tp_size={tp_size} puts {here} ranks on this host but only {torch.cuda.device_count()} "
+                          f"GPU(s) are visible; lower tp_size, or start the ranks on several hosts with torchrun "
+                          f"(docs/parallel.md).")
 
 
 @dataclass(frozen=True, slots=True)
