@@ -67,38 +67,41 @@ def _gguf_piece(t, shape: tuple[int, ...], how, qtype: str) -> np.ndarray:
 
 
 def iter_gguf_shard(reader, path: Path, cfg: dict, shard: TPShard) -> Iterator[tuple[str, torch.Tensor]]:
-    import gguf
-
-    permute = cfg["architectures"][0] in ("LlamaForCausalLM", "MistralForCausalLM")
     for t in reader.tensors:
         name = gguf_file.hf_name(t.name)
         if name is None:
             raise ConfigError(f"{path}: unexpected GGUF tensor {t.name!r}; is this a plain decoder checkpoint?")
-        qtype = gguf.GGMLQuantizationType(t.tensor_type).name
-        if qtype not in gguf_file.SUPPORTED_QUANTS:
-            raise ConfigError(f"{path}: tensor {t.name!r} uses quant type {qtype}, not supported.")
-        shape = tuple(int(d) for d in reversed(t.shape))
-        how = shard.slice_of(name)
-        if how == "rank0" and shard.rank != 0:
-            yield name, torch.zeros(shape)
-            continue
-        how = (0, 0, shape[0]) if how in (None, "rank0") else how
-        tensor = torch.from_numpy(_gguf_piece(t, shape, how, qtype))
-        if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
-            tensor = gguf_file._unpermute(tensor, tensor.shape[0] // shard.head_dim)  # whole heads: per-head permute
-        yield name, tensor
+        yield name, _gguf_shard(t, name, path, cfg, shard)
+
+
+def _gguf_shard(t, name: str, path: Path, cfg: dict, shard: TPShard) -> torch.Tensor:
+    """This rank's piece of GGUF tensor t (HF name `name`), as float32 in HF layout."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType(t.tensor_type).name
+    if qtype not in gguf_file.SUPPORTED_QUANTS:
+        raise ConfigError(f"{path}: tensor {t.name!r} uses quant type {qtype}, not supported.")
+    shape = tuple(int(d) for d in reversed(t.shape))
+    how = shard.slice_of(name)
+    if how == "rank0" and shard.rank != 0:
+        return torch.zeros(shape)
+    how = (0, 0, shape[0]) if how in (None, "rank0") else how
+    tensor = torch.from_numpy(_gguf_piece(t, shape, how, qtype))
+    if cfg["architectures"][0] in ("LlamaForCausalLM", "MistralForCausalLM") and name.endswith(
+            ("q_proj.weight", "k_proj.weight")):
+        tensor = gguf_file._unpermute(tensor, tensor.shape[0] // shard.head_dim)  # whole heads: per-head permute
+    return tensor
 
 
 def read_full(ckpt, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """The named HF tensors whole (rank 0's replicated copies for the drafts: embedding, lm_head)."""
     out: dict[str, torch.Tensor] = {}
     if ckpt.is_gguf:
-        full = TPShard(0, 1, ckpt.config.head_dim, (0, 0), (0, 0), (0, 0), (0, ckpt.config.vocab_size))
-        gguf_names = {gguf_file.hf_name(t.name): t for t in ckpt.reader.tensors}
-        for name in names:
-            if name in gguf_names:
-                out[name] = next(iter_gguf_shard(_OneTensor(ckpt.reader, gguf_names[name]), ckpt.path, ckpt.raw,
-                                                 full))[1]
+        whole = TPShard.of(ckpt.config, 0, 1)
+        for t in ckpt.reader.tensors:
+            name = gguf_file.hf_name(t.name)
+            if name in names:
+                out[name] = _gguf_shard(t, name, ckpt.path, ckpt.raw, whole)
         return out
     from safetensors import safe_open
 
@@ -108,10 +111,3 @@ def read_full(ckpt, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
                 if name in st.keys():
                     out[name] = st.get_tensor(name)
     return out
-
-
-class _OneTensor:
-    """A GGUF reader view holding one tensor (read_full reads just that one)."""
-
-    def __init__(self, reader, tensor) -> None:
-        self.tensors = [tensor]
