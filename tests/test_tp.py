@@ -93,17 +93,23 @@ def test_qwen3_with_fewer_kv_heads_than_ranks_tp2_equals_tp1(qwen3, tmp_path, sp
 
 def test_gguf_q8_0_tp2_equals_tp1(tmp_path):
     """Each rank slices the memory-mapped Q8_0 blocks (rows for column-parallel, whole blocks of each row
-    for row-parallel), and undoes llama.cpp's q/k permutation on its heads."""
+    for row-parallel), and undoes llama.cpp's q/k permutation on its heads; an EAGLE-3 draft on rank 0
+    reads the whole embedding dequantized from the GGUF file."""
     from gguf_utils import write_gguf
 
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                    initializer_range=0.2, tie_word_embeddings=False)
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg)
     path = tmp_path / "tiny.gguf"
     write_gguf(path, hf.state_dict(), cfg, "llama", "Q8_0")
-    assert _greedy(str(path), tp_size=2) == _greedy(str(path))
+    ref = _greedy(str(path))
+    assert _greedy(str(path), tp_size=2) == ref
+    draft = str(random_eagle3(tmp_path / "d", LLM(str(path), **BASE).engine.model_config, draft_vocab_size=128,
+                              std=0.3, aux_layer_ids=(0, 1, 2)))
+    assert _greedy(str(path), tp_size=2, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+                   speculative_eagle_topk=1, speculative_adaptive=False) == ref
 
 
 TORCHRUN_SCRIPT = """
@@ -190,3 +196,25 @@ def test_serve_with_tp2_answers_a_completion():
     finally:
         rc = srv.stop()
     assert rc == 0, srv.log_tail()
+
+
+@pytest.mark.parametrize("how", [(0, 2, 6), (1, 32, 64), (1, 48, 96), (1, 5, 40)],
+                         ids=["rows", "cols-on-blocks", "cols-mid-block", "cols-unaligned"])
+def test_gguf_slices_of_quantized_blocks_equal_slices_of_the_whole(how):
+    """A rank's slice of a Q8_0 matrix, dequantizing only the blocks it covers, equals the same slice of
+    the whole dequantized matrix (also when K / tp_size splits a 32-weight block)."""
+    from types import SimpleNamespace
+
+    import gguf
+    import numpy as np
+
+    from tercel.distributed.loader import _gguf_piece
+
+    w = torch.randn(8, 96, generator=torch.Generator().manual_seed(0)).numpy()
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    raw = gguf.quants.quantize(w, q8)
+    whole = np.asarray(gguf.quants.dequantize(raw, q8)).reshape(8, 96)
+    dim, start, end = how
+    want = whole[start:end] if dim == 0 else whole[:, start:end]
+    got = _gguf_piece(SimpleNamespace(data=raw, tensor_type=q8), (8, 96), how, "Q8_0")
+    np.testing.assert_array_equal(got, want)
