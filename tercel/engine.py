@@ -227,7 +227,9 @@ class LLMEngine:
             self._download_stream = torch.cuda.Stream(self.device)
             # batch-1 linears: cuBLAS or the Triton GEMV, whichever this GPU runs faster (measured once per model)
             self.gemv_choices = getattr(self.model, "gemv_choices", None)
-            if config.kernel.tune_gemv and self.gemv_choices is None and self.dtype in (torch.bfloat16, torch.float16):
+            # (not under tensor parallelism: its forward runs the plain linears on every rank alike)
+            if (config.kernel.tune_gemv and self.gemv_choices is None and self.tp_group is None
+                    and self.dtype in (torch.bfloat16, torch.float16)):
                 from .kernels import triton_enabled
 
                 if triton_enabled():

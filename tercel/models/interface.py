@@ -28,6 +28,9 @@ class TargetModel(Protocol):
     embed_tokens: nn.Embedding  # EAGLE / DFlash drafts embed with the target's table
     norm: nn.Module  # the final RMSNorm (draft training copies its weight)
     aux_layer_ids: tuple[int, ...]  # layers whose outputs a hidden capture returns (EAGLE-3, DFlash)
+    # tensor parallelism (tercel.distributed.layers.TensorParallel, set by the engine after loading a shard):
+    # None runs the single-process forward; a family without TP support keeps it None (tp_size 1 only)
+    tp: object | None
 
     def __call__(self, batch: ForwardBatch, kv: PagedKVCache, input_embeds: torch.Tensor | None = None,
                  attn_meta: object | None = None) -> ModelOutput:
