@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))  # the checkout's tercel package
 
 import torch  # noqa: E402
 
-from tercel.bench.environment import cpu_name, git_commit  # noqa: E402
+from tercel.bench.environment import command_line, cpu_name, git_commit  # noqa: E402
 
 Generate = Callable[[str], int]  # prompt text -> new tokens produced
 
@@ -183,7 +183,7 @@ def main() -> None:
         "prompt_tokens": prompt_token_counts(sets["chat"] + sets["code"], ref, hf_tok, handles.get("llama_cpp")),
         "env": {"commit": git_commit(), "torch": torch.__version__, "cpu": cpu_name(),
                 "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": args.threads,
-                "command": " ".join(["python", os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
+                "command": command_line("python", sys.argv),
                 "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                 "loadavg_1m_5m_15m": {"start": [round(x, 2) for x in load_start],
                                       "end": [round(x, 2) for x in os.getloadavg()]},
