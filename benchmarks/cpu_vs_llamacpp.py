@@ -129,7 +129,8 @@ def main() -> None:
                                  f"llama_cpp")
         except ImportError as e:  # llama-cpp-python not installed: record why, measure the rest
             missing[name] = f"{type(e).__name__}: {e}"
-    ref = handles.get("tercel_default") or handles.get("tercel_fp32")
+            print(f"{name}: not measured ({missing[name]})", file=sys.stderr)
+    ref = handles.get("tercel_default", handles.get("tercel_fp32"))
     if ref is None:
         raise SystemExit("--engines: include tercel_default or tercel_fp32 (its tokenizer renders the chat template)")
     tok = ref.tokenizer
