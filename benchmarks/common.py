@@ -26,6 +26,13 @@ def environment() -> dict:
     return env
 
 
+def exact_dtype(device: str) -> str:
+    """fp32 on the CPU, the exact reference these scripts' CPU results were recorded in (dtype "auto" picks bf16
+    on a CPU with a fast bf16 path); "auto" (bf16) on a GPU, as before."""
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    return "float32" if on_cpu else "auto"
+
+
 def write_result(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

@@ -9,7 +9,7 @@ import argparse
 import time
 
 import torch
-from common import environment, write_result
+from common import environment, exact_dtype, write_result
 
 from tercel import LLM, SamplingParams
 from tercel.engine import LLMEngine
@@ -25,7 +25,8 @@ def main() -> None:
     ap.add_argument("--name", default="dflash_accept_smollm2")
     args = ap.parse_args()
     # one load of the target shared by every engine, each with a fixed KV pool (several share the device)
-    base = LLM(args.model, device=args.device, progress=False, speculative_algorithm="NONE", kv_cache_memory=1 << 30)
+    base = LLM(args.model, device=args.device, dtype=exact_dtype(args.device), progress=False,
+               speculative_algorithm="NONE", kv_cache_memory=1 << 30)
     tok = base.tokenizer
     sets = {"chat": EVAL_CHAT_PROMPTS, "code": EVAL_CODE_PROMPTS}
     prompts = {k: [tok.apply_chat_template([{"role": "user", "content": p}]) for p in v] for k, v in sets.items()}

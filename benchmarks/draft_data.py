@@ -59,10 +59,13 @@ def main() -> None:
     if args.merge:
         samples = merge_samples(args.merge)
     else:
+        from common import exact_dtype  # benchmarks/ is the script's directory, so on sys.path
+
         from tercel import LLM
 
         kv = None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
-        llm = LLM(args.model, device=args.device, max_model_len=args.max_len, max_num_seqs=args.batch,
+        llm = LLM(args.model, device=args.device, dtype=exact_dtype(args.device), max_model_len=args.max_len,
+                  max_num_seqs=args.batch,
                   max_num_batched_tokens=max(8192, 4 * args.batch), cuda_graph_max_bs=args.batch, progress=False,
                   kv_cache_memory=kv)
         samples = make_dataset(llm, args.num_prompts, args.synth_prompts, args.max_new_tokens, 0.0, args.seed,

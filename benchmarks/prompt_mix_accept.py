@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import environment, write_result  # noqa: E402
+from common import environment, exact_dtype, write_result  # noqa: E402
 
 
 def prompt_sets(llm, n: int, seed: int) -> dict[str, list[str]]:
@@ -44,8 +44,9 @@ def main() -> None:
     args = ap.parse_args()
     from tercel import LLM, SamplingParams
 
-    llm = LLM(args.model, device=args.device, progress=False, kv_cache_memory=1 << 30, speculative_algorithm="EAGLE3",
-              speculative_draft_model_path=args.draft, speculative_num_steps=5, speculative_eagle_topk=1)
+    llm = LLM(args.model, device=args.device, dtype=exact_dtype(args.device), progress=False, kv_cache_memory=1 << 30,
+              speculative_algorithm="EAGLE3", speculative_draft_model_path=args.draft, speculative_num_steps=5,
+              speculative_eagle_topk=1)
     tok = llm.tokenizer
     results = {}
     for name, prompts in prompt_sets(llm, args.prompts, args.seed).items():

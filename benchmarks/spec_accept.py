@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import environment  # noqa: E402
+from common import environment, exact_dtype  # noqa: E402
 
 KV_BYTES = 1 << 30
 CONFIGS = [  # (name, algorithm, num_steps, topk, num_draft_tokens)
@@ -33,7 +33,7 @@ def run(model, draft, device, max_tokens, temps, configs, token_map=None) -> dic
     from tercel.train.data import EVAL_CHAT_PROMPTS, EVAL_CODE_PROMPTS
 
     # a fixed KV pool per engine: several engines share the device (the default takes most of free GPU memory)
-    base = LLM(model, device=device, progress=False, kv_cache_memory=KV_BYTES)
+    base = LLM(model, device=device, dtype=exact_dtype(device), progress=False, kv_cache_memory=KV_BYTES)
     tok = base.tokenizer
     sets = {"chat": EVAL_CHAT_PROMPTS, "code": EVAL_CODE_PROMPTS}
     results = {}

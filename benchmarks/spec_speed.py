@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copy_bandwidth, environment  # noqa: E402
+from common import copy_bandwidth, environment, exact_dtype  # noqa: E402
 
 CONFIGS = [  # (name, algorithm, topk, num_draft_tokens, engine keywords)
     ("plain", None, None, None, {}), ("plain-eager", None, None, None, {"disable_cuda_graph": True}),
@@ -89,7 +89,7 @@ def main() -> None:
                           f"spec_speed_smollm2_{'h200' if args.device.startswith('cuda') else 'cpu'}.json")
     # fixed KV pools: each engine would otherwise take 85% of whatever memory the previous ones left
     kv = {"kv_cache_memory": 4 << 30} if args.device.startswith("cuda") else {}
-    base = LLM(args.model, device=args.device, progress=False, **kv)
+    base = LLM(args.model, device=args.device, dtype=exact_dtype(args.device), progress=False, **kv)
     tok = base.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in EVAL_CHAT_PROMPTS + EVAL_CODE_PROMPTS]
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)

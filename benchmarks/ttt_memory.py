@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import environment, write_result  # noqa: E402
+from common import environment, exact_dtype, write_result  # noqa: E402
 
 
 def build(device: str, tmp: str):
@@ -32,8 +32,8 @@ def build(device: str, tmp: str):
                                    max_position_embeddings=2048, tie_word_embeddings=True)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(f"{tmp}/t")
-    eng = LLM(f"{tmp}/t", device=device, skip_tokenizer_init=True, progress=False, max_model_len=1024,
-              kv_cache_memory=256 << 20, disable_cuda_graph=True).engine
+    eng = LLM(f"{tmp}/t", device=device, dtype=exact_dtype(device), skip_tokenizer_init=True, progress=False,
+              max_model_len=1024, kv_cache_memory=256 << 20, disable_cuda_graph=True).engine
     tcfg = eng.model_config
     draft = load_eagle_draft(random_eagle3(f"{tmp}/d", tcfg, head_from_target=True), tcfg, torch.float32,
                              torch.device(device), 1024)

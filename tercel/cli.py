@@ -235,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # the engine's start lines (what dtype="auto" picked, GPU tuning): one or two lines, worth seeing
+    logging.getLogger("tercel.engine").setLevel(logging.INFO)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # the sub-command's parser reports it, with its own usage

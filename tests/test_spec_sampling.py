@@ -27,7 +27,7 @@ N = 20_000
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     hf, target = tiny_llama_target(root, vocab=VOCAB, layers=3, max_positions=64, init_range=0.2)
-    llm = LLM(str(target), device="cpu", skip_tokenizer_init=True, progress=False, max_model_len=32)
+    llm = LLM(str(target), dtype="float32", device="cpu", skip_tokenizer_init=True, progress=False, max_model_len=32)
     draft = random_eagle3(root / "draft", llm.engine.model_config, aux_layer_ids=(0, 1, 2), std=0.4)
     (root / "hot.json").write_text("[0, 2, 3, 5, 7, 8, 11, 12, 14]")  # a token map: 9 of the 16 ids
     return hf, llm, str(draft), str(root / "hot.json")

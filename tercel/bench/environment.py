@@ -72,7 +72,13 @@ def environment(command: str, device: torch.device | None = None) -> dict:
 def weight_bytes(model) -> int:
     """Bytes a batch-1 decode step streams: every weight once (the embedding table only where tied, as the
     lm_head; an untied table is gathered row by row)."""
+    from ..models.cpu_linear import CpuPackedLinear
+
     n = sum(p.numel() * p.element_size() for p in model.parameters())
+    for m in model.modules():  # bf16 on the CPU: a packed linear streams its packed bytes (4-bit: no dense copy)
+        packed = getattr(m, "gemv", None)
+        if isinstance(packed, CpuPackedLinear):
+            n += packed.nbytes - m.weight.numel() * m.weight.element_size()
     if getattr(model, "lm_head", None) is not None:
         n -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     return n

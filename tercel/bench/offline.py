@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from tqdm import tqdm
 
 from .environment import copy_bandwidth, weight_bytes
 from .shapes import shape_by_name
+
+log = logging.getLogger(__name__)
 
 ALGORITHMS = ("NONE", "NGRAM", "EAGLE", "EAGLE3", "DFLASH", "DDTREE")
 DEFAULT_CONCURRENCY = (1, 4, 16, 64, 128, 256)
@@ -170,16 +173,21 @@ def target_shape(model: str | None):
 def load_target(cfg: OfflineConfig):
     """The model, loaded once for every algorithm's engine."""
     from ..engine import resolve_device
-    from ..loader.model_loader import load_model, parse_dtype
+    from ..loader.model_loader import load_model, read_checkpoint, resolve_dtype
     from .shapes import random_loaded
 
     device = resolve_device(cfg.engine.get("device", "auto"))
-    dtype = parse_dtype(cfg.engine.get("dtype", "auto"), device)
+    dtype, dequantize = cfg.engine.get("dtype", "auto"), cfg.engine.get("dequantize_gguf", False)
     shape = target_shape(cfg.model)
     if shape is not None:
-        return random_loaded(shape, cfg.engine.get("max_model_len") or SHAPE_MAX_MODEL_LEN, dtype, device), device
-    return load_model(cfg.model, dtype, device, max_model_len=cfg.engine.get("max_model_len"), progress=False,
-                      dequantize_gguf=cfg.engine.get("dequantize_gguf", False)), device
+        return random_loaded(shape, cfg.engine.get("max_model_len") or SHAPE_MAX_MODEL_LEN,
+                             resolve_dtype(dtype, device).dtype, device), device
+    ckpt = read_checkpoint(cfg.model)  # dtype="auto" on the CPU depends on what the checkpoint stores
+    choice = resolve_dtype(dtype, device, ckpt, dequantize_gguf=dequantize)
+    if choice.note is not None:
+        log.info("%s", choice.note)
+    return load_model(cfg.model, choice.dtype, device, max_model_len=cfg.engine.get("max_model_len"), progress=False,
+                      dequantize_gguf=dequantize, checkpoint=ckpt), device
 
 
 def held_out_prompts(loaded, n: int) -> tuple[list, list[list[int]], str]:

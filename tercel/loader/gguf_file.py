@@ -185,3 +185,21 @@ def iter_q4_weights(reader, cfg: dict[str, Any]) -> Iterator[tuple[str, Q4Blocks
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             blocks = blocks.rows(_unpermute(torch.arange(shape[0]), heads))
         yield name, blocks
+
+
+def q4_share(reader) -> tuple[float, tuple[str, ...]]:
+    """(the share of the model's matrix elements stored Q4_0 / Q4_1, those types present), from the header
+    only: dtype="auto" asks it before any weight is read."""
+    gguf = _gguf()
+    total = q4 = 0
+    kinds: set[str] = set()
+    for t in reader.tensors:
+        if len(t.shape) != 2 or hf_name(t.name) is None:
+            continue
+        n = int(t.n_elements)
+        total += n
+        qtype = gguf.GGMLQuantizationType(t.tensor_type).name
+        if qtype in ("Q4_0", "Q4_1"):
+            q4 += n
+            kinds.add(qtype)
+    return (q4 / total if total else 0.0), tuple(sorted(kinds))

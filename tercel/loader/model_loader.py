@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from ..config import DTYPE_NAMES, ConfigError, ModelConfig
 from ..kernels import triton_enabled
-from ..models.cpu_linear import wants_cpu_packing
+from ..models.cpu_linear import CpuBf16Support, cpu_bf16_support, wants_cpu_packing
 from ..models.interface import TargetModel
 from ..models.registry import model_class
 from . import gguf_file, hf
@@ -65,14 +65,66 @@ def resolve_model_path(model: str | Path | None) -> Path:
     return path
 
 
+@dataclass(frozen=True, slots=True)
+class DtypeChoice:
+    """The dtype a model runs in and, for dtype="auto", the start line saying what was picked and why."""
+
+    dtype: torch.dtype
+    note: str | None = None
+
+
+# dtype="auto" keeps a GGUF's 4-bit matrices (bf16 activations) when at least this share of its matrix
+# elements is Q4_0 / Q4_1: a decode step is bound by the weight bytes it reads, so the 4-bit matrices must
+# carry most of them for the int4 path to beat fp32 where the dense rest runs unpacked bf16 (AVX2).
+AUTO_Q4_SHARE = 0.5
+FP32_HINT = "--dtype float32 (dtype='float32') for exact fp32"
+
+
 def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype without a checkpoint at hand (auto: as for a dense checkpoint); see resolve_dtype."""
+    return resolve_dtype(dtype, device).dtype
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, checkpoint: Checkpoint | None = None,
+                  dequantize_gguf: bool = False) -> DtypeChoice:
+    """The dtype to run. "auto": bf16 on a GPU; on the CPU the fastest path this CPU has (cpu_auto_dtype)."""
     if isinstance(dtype, torch.dtype):
-        return dtype
+        return DtypeChoice(dtype)
     if dtype not in DTYPE_NAMES:
         raise ConfigError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPE_NAMES)}.")
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, DTYPE_NAMES[dtype])
+    if dtype != "auto":
+        return DtypeChoice(getattr(torch, DTYPE_NAMES[dtype]))
+    if device.type == "cuda":
+        return DtypeChoice(torch.bfloat16, f"dtype auto -> bfloat16 on GPU; {FP32_HINT}")
+    share, kinds = (0.0, ())
+    if checkpoint is not None and checkpoint.is_gguf and not dequantize_gguf:
+        share, kinds = gguf_file.q4_share(checkpoint.reader)
+    return cpu_auto_dtype(share, kinds, cpu_bf16_support())
+
+
+def cpu_auto_dtype(q4_share: float, q4_kinds: tuple[str, ...], cpu: CpuBf16Support) -> DtypeChoice:
+    """dtype="auto" on the CPU. bf16 activations (the weights packed once, models.cpu_linear) where that is
+    the faster path, else fp32:
+      - a GGUF whose matrices are mostly Q4_0 / Q4_1, on a CPU where torch's int4 matmul is vectorised
+        (AVX2 / AVX-512): the matrices stay 4-bit, as llama.cpp runs them (SmolLM2 Q4_1, 2 AVX2 cores:
+        65 tok/s against 15 in fp32, without any bf16 hardware);
+      - any checkpoint (safetensors bf16 / fp16 / fp32, a dequantized GGUF) on a CPU where oneDNN packs bf16
+        weights (AVX-512 BW/VL/DQ or AVX-NE-CONVERT, so every CPU with avx512_bf16 / amx_bf16): half of
+        fp32's bytes a step. The stored dtype is not consulted, as on the GPU: an fp32 checkpoint runs
+        rounded to bf16 there too, and fp32 is one flag away.
+    Elsewhere (e.g. dense weights on an AVX2-only CPU, where bf16 F.linear re-lays its weight out on every
+    call) bf16 would be slower than fp32, so auto stays fp32."""
+    kept = "/".join(q4_kinds)
+    if q4_share >= AUTO_Q4_SHARE and cpu.int4_matmul:
+        return DtypeChoice(torch.bfloat16, f"dtype auto -> bfloat16 on CPU (bf16 activations, {kept} matrices "
+                                           f"kept 4-bit; CPU {cpu.describe()}); {FP32_HINT}")
+    if cpu.dense_packing:
+        return DtypeChoice(torch.bfloat16, f"dtype auto -> bfloat16 on CPU (bf16 activations, oneDNN-packed bf16 "
+                                           f"weights; CPU {cpu.describe()}); {FP32_HINT}")
+    why = ("no vectorised int4 matmul" if q4_share >= AUTO_Q4_SHARE else "dense weights") + \
+        " and oneDNN cannot pack bf16 weights here, so bf16 would be slower"
+    return DtypeChoice(torch.float32, f"dtype auto -> float32 on CPU ({why}; CPU {cpu.describe()}); "
+                                      f"--dtype bfloat16 to force bf16")
 
 
 def attention_backend(cfg: ModelConfig, device: torch.device):
@@ -135,15 +187,17 @@ def checked_max_model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
 
 def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
                load_tokenizer_too: bool = True, progress: bool = True, dequantize_gguf: bool = False,
-               tokenizer: Tokenizer | None = None, shard: "TPShard | None" = None) -> LoadedModel:
+               tokenizer: Tokenizer | None = None, shard: "TPShard | None" = None,
+               checkpoint: Checkpoint | None = None) -> LoadedModel:
     """max_model_len: longest sequence served (sizes the RoPE table); default min(model's, 8192).
     tokenizer: one already loaded (else loaded here when load_tokenizer_too, before the weights, so a
     broken tokenizer fails fast).
     bf16 on CPU: linears are prepacked for oneDNN, and a GGUF's Q4_0 / Q4_1 matrices stay 4-bit
     unless dequantize_gguf (models.cpu_linear); fp32 and GPU models run dense weights.
     shard: tensor parallelism (tercel.distributed): build and load only this rank's slice; the returned
-    config stays the whole model's."""
-    ckpt = read_checkpoint(model)
+    config stays the whole model's.
+    checkpoint: `model` already read by read_checkpoint (the engine does, to resolve dtype="auto")."""
+    ckpt = checkpoint if checkpoint is not None else read_checkpoint(model)
     path, is_gguf, cfg, raw, reader = ckpt.path, ckpt.is_gguf, ckpt.config, ckpt.raw, ckpt.reader
     if shard is not None:
         from ..distributed.loader import iter_gguf_shard, iter_safetensors_shard

@@ -133,6 +133,41 @@ def cpu_packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
+@dataclass(frozen=True, slots=True)
+class CpuBf16Support:
+    """What makes bf16 pay on this CPU: asked once per process (cpu_bf16_support), read by dtype="auto"."""
+    capability: str  # torch.backends.cpu.get_cpu_capability(): DEFAULT, AVX2, AVX512, ...
+    int4_matmul: bool  # torch's int4 CPU matmul has a vectorised kernel here (AVX2 / AVX-512)
+    dense_packing: bool  # oneDNN packs and multiplies bf16 weights (AVX-512 BW/VL/DQ or AVX-NE-CONVERT)
+    native_bf16: bool  # bf16 dot products in hardware (avx512_bf16 / amx_bf16 / avx_ne_convert)
+
+    def describe(self) -> str:
+        native = ", native bf16" if self.native_bf16 else ""
+        return f"{self.capability}{native}"
+
+
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (Linux); empty elsewhere (then torch's capability decides)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_bf16_support() -> CpuBf16Support:
+    """Cheap (a 16 x 16 probe and /proc/cpuinfo), cached: the hardware does not change under a process."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    available = cpu_packing_available()
+    native = bool(_cpu_flags() & {"avx512_bf16", "amx_bf16", "avx_ne_convert"})
+    return CpuBf16Support(capability=capability, int4_matmul=available and capability.startswith("AVX"),
+                          dense_packing=available and dense_packing_available(), native_bf16=native)
+
+
 def wants_cpu_packing(device: torch.device, dtype: torch.dtype) -> bool:
     """Packing pays for bf16 on CPU (fp32 keeps the exact reference path, GPUs their own kernels)."""
     return device.type == "cpu" and dtype == torch.bfloat16 and cpu_packing_available()
