@@ -1,10 +1,10 @@
 """Adaptive speculation on the CPU: plain decoding vs adaptive EAGLE3 (the bundled head and token map, what
-`tercel generate` runs) vs adaptive NGRAM on SmolLM2 fp32 at batch 1, chat and code prompts, greedy,
-fixed-length outputs; the fixed-width configs (--speculative-adaptive off) for reference. Configs run in
-turns (round-robin) and each keeps its best round, so a busy shared CPU hurts them alike.
+`tercel generate` runs) vs adaptive NGRAM on SmolLM2 at batch 1 (fp32, or --dtype auto: the CPU default), chat
+and code prompts, greedy, fixed-length outputs; the fixed-width configs (--speculative-adaptive off) for
+reference. Configs run in turns (round-robin) and each keeps its best round, so a busy shared CPU hurts them alike.
 
 Usage: PYTHONPATH=. python benchmarks/adaptive_cpu.py [--new-tokens 64] [--prompts 2] [--rounds 2]
-       [--out benchmarks/results/adaptive_cpu_smollm2.json]
+       [--dtype float32|auto] [--out benchmarks/results/adaptive_cpu_smollm2.json]
 """
 from __future__ import annotations
 
@@ -33,16 +33,17 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=2, help="prompts per kind (chat, code)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--dtype", default="float32", help="float32, or auto (the CPU default: bf16 with the GGUF's "
+                                                       "4-bit matrices kept, where this CPU runs that faster)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "adaptive_cpu_smollm2.json"))
     args = ap.parse_args()
-    import torch
-
     from tercel import LLM, SamplingParams
     from tercel.engine import LLMEngine
     from tercel.speculative import DEFAULT_EAGLE3_DRAFT, DEFAULT_EAGLE3_TOKEN_MAP
     from tercel.train.data import EVAL_CHAT_PROMPTS, EVAL_CODE_PROMPTS
 
-    base = LLM(None, device="cpu", dtype="float32", progress=False, max_num_seqs=1)
+    base = LLM(None, device="cpu", dtype=args.dtype, progress=False, max_num_seqs=1)
+    dtype = base.engine.dtype
     tok = base.tokenizer
     kinds = {k: [tok.apply_chat_template([{"role": "user", "content": p}]) for p in ps[:args.prompts]]
              for k, ps in (("chat", EVAL_CHAT_PROMPTS), ("code", EVAL_CODE_PROMPTS))}
@@ -55,7 +56,7 @@ def main() -> None:
             kw.update(speculative_draft_model_path=str(DEFAULT_EAGLE3_DRAFT),
                       speculative_token_map=str(DEFAULT_EAGLE3_TOKEN_MAP))
         llm = LLM.__new__(LLM)
-        llm.engine = LLMEngine(loaded=base.engine.loaded, device="cpu", dtype=torch.float32, max_num_seqs=1, **kw)
+        llm.engine = LLMEngine(loaded=base.engine.loaded, device="cpu", dtype=dtype, max_num_seqs=1, **kw)
         t = time.perf_counter()  # first steps: the adaptive cost model measures its forwards here
         llm.generate(kinds["chat"][:1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         warmup_s[name] = round(time.perf_counter() - t, 3)
@@ -93,9 +94,10 @@ def main() -> None:
                 stats[name]["overhead_ms"] = {f"bs{b}-{'spec' if k else 'plain'}": round(v * 1e3, 2)
                                               for (b, k), v in c.overhead_s.items()}
     env = environment()
-    env["command"] = "PYTHONPATH=. python benchmarks/adaptive_cpu.py " + " ".join(sys.argv[1:])
     payload = {"benchmark": "decode tokens/s at batch 1: plain vs adaptive speculation (and fixed-width for reference)",
-               "environment": env, "load_average_at_end": os.getloadavg(), "dtype": "float32",
+               "environment": env, "load_average_at_end": os.getloadavg(),
+               "dtype": str(dtype).removeprefix("torch."), "dtype_flag": args.dtype,
+               "dtype_note": base.engine.dtype_note,
                "model": "SmolLM2-135M-Instruct (default)", "new_tokens": args.new_tokens,
                "prompts": f"EVAL_CHAT_PROMPTS[:{args.prompts}] and EVAL_CODE_PROMPTS[:{args.prompts}] (chat template), "
                           f"greedy, ignore_eos, one request at a time (max_num_seqs=1)",
