@@ -91,42 +91,52 @@ def _mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
+def stream_keys(seeds: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The key of draw `index` of each seed's stream, a hash of (seed, index): int64, broadcast shapes."""
+    return _mix64(_mix64(seeds) + index * _GOLDEN)
+
+
 def draw_keys(reqs: list[Request]) -> torch.Tensor:
-    """One stream key per entry for its next token draw, hash of (seed, draw count); advances the
-    count, so a request listed k times takes its next k draws. [len(reqs)] int64 on the host."""
+    """One stream key per entry for its next token draw (draw `r.draws`); advances the count, so a request
+    listed k times takes its next k draws. [len(reqs)] int64 on the host. A request's draw k is the noise of
+    its output token k, so speculative steps (tercel.speculative.verify) draw that token with the same noise."""
     counts = []
     for r in reqs:
         counts.append(r.draws)
         r.draws += 1
-    seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64)
-    return _mix64(_mix64(seeds) + torch.tensor(counts, dtype=torch.int64) * _GOLDEN)
+    return stream_keys(torch.tensor([r.seed for r in reqs], dtype=torch.int64), torch.tensor(counts))
 
 
-def draw_uniform(keys: torch.Tensor, start: int, n: int, device: torch.device) -> torch.Tensor:
-    """Uniforms in (0, 1), [len(keys), n] float64 on `device`: entry j of row i is output start + j of
-    splitmix64 started at keys[i]. Counter-based, so a draw depends only on (seed, draw count, index): not
-    on the batch, the step kind or the device, and a whole batch is a few elementwise kernels."""
-    keys = keys.to(device, non_blocking=True)
-    idx = torch.arange(start, start + n, dtype=torch.int64, device=device)
-    bits = _mix64(keys[:, None] + idx[None, :] * _GOLDEN)
-    return (_shr(bits, 11).double() + 0.5) * 2.0 ** -53  # 53-bit uniform
+def ahead_keys(reqs: list[Request], ahead: torch.Tensor) -> torch.Tensor:
+    """Keys of draws still ahead, without taking them: entry [i, j] is draw r.draws + ahead[i, j] of request
+    i's stream (the noise of the output token that many places on). ahead [len(reqs), n] int64 on any
+    device; the keys come on its device."""
+    seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64).to(ahead.device)
+    draws = torch.tensor([r.draws for r in reqs], dtype=torch.int64).to(ahead.device)
+    return stream_keys(seeds[:, None], draws[:, None] + ahead)
 
 
 def draw_noise(keys: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
-    """Exp(1) noise [len(keys), vocab]: token v of row i from output v + 1 of row i's stream."""
-    return (-torch.log(draw_uniform(keys, 1, vocab, device))).float()
+    """Exp(1) noise [*keys.shape, vocab]: token v of a key's row from output v + 1 of splitmix64 started at
+    the key. Counter-based, so a draw depends only on (seed, draw index): not on the batch, the step kind or
+    the device, and a whole batch is a few elementwise kernels."""
+    keys = keys.to(device, non_blocking=True)
+    idx = torch.arange(1, vocab + 1, dtype=torch.int64, device=device)
+    bits = _mix64(keys[..., None] + idx * _GOLDEN)
+    u = (_shr(bits, 11).double() + 0.5) * 2.0 ** -53  # 53-bit uniform in (0, 1)
+    return (-torch.log(u)).float()
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race, argmax p / E with E ~ Exp(1): a draw from p (the same law as multinomial).
+    Token ids [...] on probs' device."""
+    return greedy_tokens(probs.float() / noise)
 
 
 def sample_probs(probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """One draw per row of probs [len(reqs), V] by the exponential race (argmax p / E, E ~ Exp(1)): the
     same law as multinomial. Token ids [len(reqs)] stay on probs' device (no host sync)."""
-    noise = draw_noise(draw_keys(reqs), probs.shape[-1], probs.device)
-    return greedy_tokens(probs.float() / noise)
-
-
-def sample_from_probs(probs: torch.Tensor, req: Request) -> int:
-    """One draw from probs [V] with the request's stream (drafts, the verify's residual draws)."""
-    return int(sample_probs(probs[None], [req])[0])
+    return race(probs, draw_noise(draw_keys(reqs), probs.shape[-1], probs.device))
 
 
 def sample_batch(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """DFLASH and DDTREE are lossless: greedy output equals plain output token for token (SmolLM2 with
-the bundled trained draft), and sampled output follows exactly the target's distribution
-(chi-square against the enumerated joint distribution of the first two tokens of a tiny model)."""
+the bundled trained draft); seeded sampled output equals plain sampled output token for token, and follows
+exactly the target's distribution (chi-square against the enumerated joint distribution of the first two
+tokens of a tiny model)."""
 from __future__ import annotations
 
 import itertools
@@ -71,6 +72,24 @@ def test_sampling_matches_the_target_distribution(tiny, algo, which):
         obs, exp = obs[:-1], exp[:-1]
     p = chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
     assert p > 0.01, f"chi-square p = {p:.4g}"
+
+
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "fixed"])
+@pytest.mark.parametrize("name,budget", [("DFLASH", None), ("DDTREE", 6)])
+def test_seeded_sampling_gives_the_plain_tokens(tiny, name, budget, adaptive):
+    hf, target, draft = tiny
+    kw = dict(dtype="float32", device="cpu", skip_tokenizer_init=True, progress=False, max_model_len=64)
+    plain = LLM(str(target), **kw)
+    llm = LLM(str(target), speculative_algorithm=name, speculative_draft_model_path=str(draft),
+              speculative_ddtree_budget=budget, speculative_adaptive=adaptive, **kw)
+    prompts = [PROMPT[: 1 + i % 4] for i in range(8)]
+    params = [SamplingParams(max_tokens=16, seed=7 + i, ignore_eos=True, **[dict(temperature=1.0),
+              dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=5)][i % 3]) for i in range(8)]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    if not adaptive:
+        stats = llm.engine.spec_stats()
+        assert 0 < stats.accepted_tokens < stats.draft_tokens
 
 
 # ---- greedy losslessness on the real model with the bundled draft ----------------------------

@@ -14,8 +14,10 @@ import torch
 from spec_utils import spec_llm
 
 from tercel import SamplingParams
+from tercel.outputs import RequestMetrics
+from tercel.request import Request
 from tercel.speculative.tree import DraftTree
-from tercel.speculative.verify import accept_greedy, accept_greedy_batched
+from tercel.speculative.verify import accept_greedy_batched, accept_walk
 
 GRAPHS = dict(cuda_graph_backend="breakable-debug", max_model_len=320)
 ALGOS = {
@@ -58,9 +60,10 @@ def test_batched_device_acceptance_equals_the_host_walk(chains):
                      depth=torch.tensor([t.depth + [0] * (width - len(t)) for t in trees]), masks=masks)
     best, bonus = accept_greedy_batched(argmax, tokens, lens, **extra)
     total = 0
+    req = Request("r", None, [1], SamplingParams(temperature=0), torch.Generator(), RequestMetrics(0.0))
     for i, t in enumerate(trees):
         logits = torch.nn.functional.one_hot(argmax[i, :len(t)], vocab).float()
-        ref = accept_greedy(t, logits, None, argmax[i, :len(t)].tolist())
+        ref = accept_walk(t, logits, req)
         assert t.path_to(int(best[i]))[1:] == ref.nodes and int(bonus[i]) == ref.bonus
         total += len(ref.nodes)
     assert total > b // 2  # the check saw accepted runs, not only rejections

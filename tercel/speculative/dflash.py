@@ -22,7 +22,7 @@ from ..forward_batch import CaptureHiddenMode
 from ..kv import PagedKVCache, slot_of
 from ..models.dflash import DFlashDraftModel, load_dflash
 from ..request import Request
-from ..sampling import filter_logits, sample_probs
+from ..sampling import ahead_keys, draw_noise, filter_logits, race
 from .drafter import Drafter, ExtendedChunk
 from .tree import DraftTree
 from .verify import Accepted
@@ -154,7 +154,7 @@ class DFlashDrafter(Drafter):
         # context slots from the block tables; padded positions read slot 0 and are masked out
         ctx_slots = torch.where(ctx_mask, tables[:, (pos // kv_bs).clamp(max=width - 1)] * kv_bs + pos % kv_bs, 0)
         block_ids = torch.full((len(reqs), s), self.mask_token_id, dtype=torch.long)
-        block_ids[:, 0] = torch.tensor([r.output_token_ids[-1] for r in reqs])
+        block_ids[:, 0] = torch.tensor([(r.output_token_ids or r.prompt_token_ids)[-1] for r in reqs])
         positions = torch.tensor(ctx_lens)[:, None] + torch.arange(s)[None, :]
         # no drafts past what a request may still generate: its block shrinks there, like the reference's
         # (the block is attended non-causally, so its length changes every draft)
@@ -168,14 +168,15 @@ class DFlashDrafter(Drafter):
         logits = target.compute_logits(hidden[:, 1:]) * self.draft.config.output_multiplier  # [B, S-1, V]
         trees = []
         for i, r in enumerate(reqs):
-            root, row = r.output_token_ids[-1], logits[i, :n_drafts[i]]
+            root, row = (r.output_token_ids or r.prompt_token_ids)[-1], logits[i, :n_drafts[i]]
             if self.tree_budget is not None:
                 lp, tk = row.float().log_softmax(-1).topk(self.tree_topk, dim=-1)
                 trees.append(build_ddtree(lp.cpu(), tk.cpu(), root, self.tree_budget))
             elif r.params.greedy:
                 trees.append(DraftTree.chain(root, row.argmax(-1).tolist()))
             else:
-                q = filter_logits(row.float(), r.params).softmax(-1).cpu()
-                drafts = sample_probs(q, [r] * q.shape[0]).tolist()  # the request's next draws, in order
-                trees.append(DraftTree.chain(root, drafts, list(q)))
+                # each draft raced against the noise the target's draw for that output token will use
+                q = filter_logits(row.float(), r.params).softmax(-1)
+                keys = ahead_keys([r], torch.arange(q.shape[0], device=q.device)[None])[0]
+                trees.append(DraftTree.chain(root, race(q, draw_noise(keys, q.shape[-1], q.device)).tolist()))
         return trees

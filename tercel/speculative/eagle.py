@@ -28,7 +28,7 @@ from ..graphs.runner import CudaGraphRunner, GraphConfig
 from ..kv import PagedKVCache, slot_of
 from ..models.eagle3 import EagleDraftModel, load_eagle_draft
 from ..request import Request
-from ..sampling import filter_logits, sample_probs
+from ..sampling import ahead_keys, draw_noise, filter_logits, race
 from .batching import blocks_covering, padded_tables
 from .drafter import DeviceChains, Drafter, ExtendedChunk
 from .eagle_steps import DraftExtendBatch, DraftLoopBatch, EagleDraftLoopStep, EagleExtendStep
@@ -272,40 +272,32 @@ class EagleDrafter(Drafter):
         hidden0 = torch.stack([r.spec_state.hidden for r in reqs])
         logits0 = torch.stack([r.spec_state.logits for r in reqs])
         sample_rows = [i for i, r in enumerate(reqs) if not r.params.greedy] if k == 1 else []
-        sample_set = set(sample_rows)
         max_pos = self.engine.config.max_model_len - 1
         cap = max(1, (steps - 1) * k)
         prefix_slots, prefix_valid = self._prefix(reqs, base)
         attn = _PrefixAttention(self.kv, prefix_slots, prefix_valid, cap, self.scale)
         ancestors = torch.zeros(b, cap, cap, dtype=torch.bool, device=dev)
 
-        def pick(logits: torch.Tensor, qs: list[list[torch.Tensor | None]]) -> tuple[torch.Tensor, torch.Tensor]:
-            """top-k (scores, draft ids) of [B, K', Vd] logits; a chain's sampling rows draw instead."""
+        def pick(logits: torch.Tensor, ahead: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """top-k (scores, draft ids) of [B, K', Vd] logits; a chain's sampling rows draw instead: q, the
+            request's own filters on the draft logits, raced against the noise the target's draw for the same
+            output token will use (`ahead` places on), so draft and target agree wherever q and p do."""
             probs = logits.softmax(-1)
             scores, idx = probs.topk(k, dim=-1)
             if sample_rows:
-                # q: the request's own filters applied to the draft logits (one batched filter per
-                # distinct filter setting), then one draw per request from its own stream
                 groups: dict[tuple, list[int]] = {}
                 for i in sample_rows:
                     p = reqs[i].params
                     groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
-                target_ids = self._to_target(torch.arange(logits.shape[-1], device=dev)).cpu()
+                target_ids = self._to_target(torch.arange(logits.shape[-1], device=dev))
                 for rows_ in groups.values():
-                    q_draft = filter_logits(logits[rows_, 0], reqs[rows_[0]].params).softmax(-1).float().cpu()
-                    q_full = torch.zeros(len(rows_), self.vocab_size, dtype=torch.float32)
-                    q_full[:, target_ids] = q_draft
-                    idx[rows_, 0, 0] = sample_probs(q_draft, [reqs[i] for i in rows_]).to(idx.device)
-                    for row, i in enumerate(rows_):
-                        qs[i].append(q_full[row])
-            sampled = set(sample_rows)
-            for i in range(b):
-                if i not in sampled:
-                    qs[i].append(None)
+                    q_draft = filter_logits(logits[rows_, 0], reqs[rows_[0]].params).softmax(-1)
+                    keys = ahead_keys([reqs[i] for i in rows_], torch.full((len(rows_), 1), ahead, device=dev))
+                    noise = draw_noise(keys[:, 0], self.vocab_size, dev).index_select(1, target_ids)
+                    idx[rows_, 0, 0] = race(q_draft, noise)
             return scores, idx
 
-        qs: list[list[torch.Tensor | None]] = [[] for _ in range(b)]
-        scores, idx = pick(logits0[:, None], qs)  # [B, 1, K]
+        scores, idx = pick(logits0[:, None], 0)  # [B, 1, K]
         leaf_scores, leaf_ids = scores[:, 0], idx[:, 0]  # [B, K]
         leaf_tokens = self._to_target(leaf_ids)
         cand_tokens, cand_scores, cand_parents = [leaf_tokens], [leaf_scores], [torch.full((b, k), -1, device=dev)]
@@ -326,7 +318,7 @@ class EagleDrafter(Drafter):
             h_out = self.model(leaf_tokens.reshape(-1), leaf_hidden.reshape(b * k, -1), pos.reshape(-1), attn,
                                from_target=False).view(b, k, -1)
             logits = self.model.compute_logits(h_out)  # [B, K, Vd]
-            child_scores, child_ids = pick(logits, qs)  # [B, K, K]
+            child_scores, child_ids = pick(logits, step)  # [B, K, K]
             cum = (leaf_scores[:, :, None] * child_scores).view(b, k * k)
             tokens = self._to_target(child_ids).view(b, k * k)
             cand_tokens.append(tokens)
@@ -347,7 +339,7 @@ class EagleDrafter(Drafter):
         for i, r in enumerate(reqs):
             root = r.prompt_token_ids[-1] if not r.output_token_ids else r.output_token_ids[-1]
             if k == 1:
-                trees.append(DraftTree.chain(root, all_tokens[i], qs[i] if i in sample_set else None))
+                trees.append(DraftTree.chain(root, all_tokens[i]))
                 continue
             kept, parents = select_tree_nodes(all_scores[i], all_parents[i], self.num_draft_tokens - 1)
             trees.append(DraftTree([root] + [all_tokens[i][c] for c in kept], [-1] + parents))

@@ -16,9 +16,6 @@ import torch
 class DraftTree:
     tokens: list[int]  # [n] target-vocabulary ids; tokens[0] is the root
     parents: list[int]  # [n] parents[0] == -1, parents[j] < j
-    # Per node, the distribution (over the target vocabulary) that node was SAMPLED from, for
-    # rejection sampling; None means the node was chosen deterministically (q is one-hot).
-    q: list[torch.Tensor | None] | None = None
     depth: list[int] = field(init=False)
     children: list[list[int]] = field(init=False)
 
@@ -36,8 +33,8 @@ class DraftTree:
             self.children[p].append(j)
 
     @classmethod
-    def chain(cls, root: int, drafts: list[int], q: list[torch.Tensor | None] | None = None) -> "DraftTree":
-        return cls([root, *drafts], list(range(-1, len(drafts))), None if q is None else [None, *q])
+    def chain(cls, root: int, drafts: list[int]) -> "DraftTree":
+        return cls([root, *drafts], list(range(-1, len(drafts))))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -46,14 +43,11 @@ class DraftTree:
     def is_chain(self) -> bool:
         return all(p == j - 1 for j, p in enumerate(self.parents))
 
-    def q_of(self, node: int) -> torch.Tensor | None:
-        return None if self.q is None else self.q[node]
-
     def truncated(self, n: int) -> "DraftTree":
         """The first n nodes (still a tree: parents come first)."""
         if n >= len(self):
             return self
-        return DraftTree(self.tokens[:n], self.parents[:n], None if self.q is None else self.q[:n])
+        return DraftTree(self.tokens[:n], self.parents[:n])
 
     def attention_mask(self) -> torch.Tensor:
         """[n, n] bool: node i sees node j iff j is i or an ancestor of i (the tree attention mask)."""

@@ -33,16 +33,7 @@ from .batching import verify_batch
 from .drafter import DeviceChains, Drafter, ExtendedChunk
 from .profile import StepProfile
 from .tree import DraftTree
-from .verify import (
-    Accepted,
-    accept_greedy,
-    accept_greedy_batched,
-    accept_sampling,
-    accept_sampling_chains,
-    chain_proposals,
-    context_free,
-    device_sampling_ok,
-)
+from .verify import Accepted, accept_greedy_batched, accept_walk, context_free, sampled_targets
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine
@@ -261,36 +252,33 @@ class SpecWorker:
         out = self._verify(batch)
         logits = out.logits
         self.last_width = width
-        # 3. accept on the device for the whole batch (greedy; sampled chains of deterministic drafts by
-        # rejection sampling); the step's one host sync reads the result. Other requests walk on the host.
+        # 3. accept on the device for the whole batch: at each node the token plain decoding would emit there
+        # (greedy: the argmax; T > 0: the plain sampler's draw for that output position), drafts kept while
+        # they carry it; the step's one host sync reads the result. Penalties / min_tokens walk on the host.
         prof.mark("accept")
         b = len(reqs)
-        argmax = greedy_tokens(logits).view(b, width)
-        best, bonus = accept_greedy_batched(argmax, layout.tokens, layout.lens, layout.parents, layout.depth,
+        targets = greedy_tokens(logits).view(b, width)
+        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy and context_free(r)]
+        if sampled:
+            idx = torch.tensor(sampled, device=logits.device)
+            depth = (layout.depth.index_select(0, idx) if layout.depth is not None
+                     else torch.arange(width, device=logits.device).expand(len(sampled), width))
+            targets = targets.index_copy(0, idx, sampled_targets(logits.view(b, width, -1).index_select(0, idx),
+                                                                 depth, [reqs[i] for i in sampled]))
+        best, bonus = accept_greedy_batched(targets, layout.tokens, layout.lens, layout.parents, layout.depth,
                                             layout.masks)
-        on_device = [i for i, r in enumerate(reqs) if device_sampling_ok(r, None if trees is None else trees[i])]
-        if on_device:
-            idx = torch.tensor(on_device, device=logits.device)
-            q = None if trees is None else chain_proposals([trees[i] for i in on_device], width, logits.shape[-1],
-                                                           logits.device)
-            k, sampled = accept_sampling_chains(logits.view(b, width, -1).index_select(0, idx),
-                                                layout.tokens.index_select(0, idx), layout.lens.index_select(0, idx),
-                                                [reqs[i] for i in on_device], q)
-            best, bonus = best.index_copy(0, idx, k), bonus.index_copy(0, idx, sampled)
-        walk_on_device = set(on_device)
         fetch = [best[:, None], bonus[:, None]] + ([layout.tokens] if trees is None else [])
         host = torch.cat(fetch, 1).tolist()
         if trees is None:
             trees = [DraftTree.chain(row[2], row[3:]) for row in host]
         accepted: list[Accepted] = []
         for i, (r, t) in enumerate(zip(reqs, trees)):
-            rows = logits[i * width:i * width + len(t)]
-            if i in walk_on_device or (r.params.greedy and context_free(r)):
+            if context_free(r):
                 acc = Accepted(t.path_to(host[i][0])[1:], host[i][1])
-            elif r.params.greedy:
-                acc = accept_greedy(t, rows, r)
             else:
-                acc = accept_sampling(t, rows, r)
+                acc = accept_walk(t, logits[i * width:i * width + len(t)], r)
+            if not r.params.greedy:  # the draws of the emitted tokens are taken (their noise was used)
+                r.draws += len(acc.nodes) + 1
             accepted.append(acc)
         offsets = [i * width for i in range(b)]
         # 4. emit tokens (stop checks per token), keep the accepted KV, free the rest
