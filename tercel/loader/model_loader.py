@@ -102,6 +102,15 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, checkpoint: Ch
     return cpu_auto_dtype(share, kinds, cpu_bf16_support())
 
 
+def draft_dtype(target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a dense draft model runs in beside a target in target_dtype: the target's, except bf16 on a
+    CPU where oneDNN cannot pack bf16 weights (the target's bf16 there is the 4-bit GGUF path): a dense bf16
+    F.linear would re-lay its weight out on every call, so the draft runs fp32, which is faster there."""
+    if device.type == "cpu" and target_dtype == torch.bfloat16 and not cpu_bf16_support().dense_packing:
+        return torch.float32
+    return target_dtype
+
+
 def cpu_auto_dtype(q4_share: float, q4_kinds: tuple[str, ...], cpu: CpuBf16Support) -> DtypeChoice:
     """dtype="auto" on the CPU. bf16 activations (the weights packed once, models.cpu_linear) where that is
     the faster path, else fp32:

@@ -197,7 +197,7 @@ class EagleDraftModel(nn.Module):
             raise ConfigError(f"the token map ({hot_ids.numel()} ids) shares no token with this draft's "
                               f"vocabulary ({ids.numel()} ids); it was made for another model.")
         full = self._head_weight()
-        w = full[keep.to(full.device)]
+        w = full[keep.to(full.device)].to(self.fc.weight.dtype)  # the draft's dtype, even from the target's head
         head = Linear(w.shape[1], n, bias=False, device=w.device, dtype=w.dtype).requires_grad_(False)
         head.weight.copy_(w)
         prepack_for_cpu(head, w.device, w.dtype)
@@ -228,7 +228,8 @@ class EagleDraftModel(nn.Module):
                 from_target: bool) -> torch.Tensor:
         """ids, positions: [N]; hidden: [N, fc_in] target aux states (from_target, EAGLE-3) or [N, H]."""
         cos_sin = self.rope.lookup(positions)
-        emb = self.embed(ids).to(hidden.dtype)
+        dtype = self.fc.weight.dtype  # a draft may run wider than its target (speculative/eagle.py)
+        hidden, emb = hidden.to(dtype), self.embed(ids).to(dtype)
         if self.config.kind == "eagle3":
             h = self.fc(hidden) if from_target else hidden
             layer = self.midlayer
@@ -247,15 +248,15 @@ class EagleDraftModel(nn.Module):
         if self.hot_head is not None:
             return self.hot_head(h if self.config.kind == "eagle" else self.norm(h)).float()
         if self.config.kind == "eagle":
-            return F.linear(h, self._target_head).float()
+            return F.linear(h.to(self._target_head.dtype), self._target_head).float()
         if self.lm_head is not None:
             return self.lm_head(self.norm(h)).float()
         if self.head_from_target:
             if self._target_head_fn is not None:
-                return self._target_head_fn(self.norm(h))
-            return F.linear(self.norm(h), self._target_head).float()
+                return self._target_head_fn(self.norm(h).to(self._target_head.dtype))
+            return F.linear(self.norm(h).to(self._target_head.dtype), self._target_head).float()
         head = self.embed_tokens.weight if self.embed_tokens is not None else self._target_embed
-        return F.linear(self.norm(h), head).float()
+        return F.linear(self.norm(h).to(head.dtype), head).float()
 
     # ---- weights -------------------------------------------------------------------------
     _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

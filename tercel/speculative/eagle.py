@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from ..forward_batch import CaptureHiddenMode
 from ..graphs.runner import CudaGraphRunner, GraphConfig
 from ..kv import PagedKVCache, slot_of
+from ..loader.model_loader import draft_dtype
 from ..models.eagle3 import EagleDraftModel, load_eagle_draft
 from ..request import Request
 from ..sampling import ahead_keys, draw_noise, filter_logits, race
@@ -114,7 +115,8 @@ class EagleDrafter(Drafter):
                 raise ConfigError(f"speculative_token_map {token_map} leaves the draft {kept} tokens, fewer than "
                                   f"speculative_eagle_topk={topk}; use a larger map or a smaller topk.")
             log.info("speculative_token_map %s: the draft proposes %d of its tokens", token_map, kept)
-        self.kv = PagedKVCache(model.kv_spec(engine.kv.block_size, engine.dtype), engine.kv.num_blocks, engine.device)
+        self.kv = PagedKVCache(model.kv_spec(engine.kv.block_size, model.fc.weight.dtype), engine.kv.num_blocks,
+                               engine.device)
         self.scale = model.config.layers.head_dim ** -0.5
         self.vocab_size = engine.model_config.vocab_size
         self.uses_trees = topk > 1
@@ -130,8 +132,8 @@ class EagleDrafter(Drafter):
 
     @classmethod
     def load(cls, engine: "LLMEngine", cfg: "SpecConfig") -> "EagleDrafter":
-        model = load_eagle_draft(cfg.draft_model_path, engine.model_config, engine.dtype, engine.device,
-                                 engine.config.max_model_len)
+        model = load_eagle_draft(cfg.draft_model_path, engine.model_config, draft_dtype(engine.dtype, engine.device),
+                                 engine.device, engine.config.max_model_len)
         want = "eagle3" if cfg.algorithm == "EAGLE3" else "eagle"
         if model.config.kind != want:
             from ..options import ConfigError
