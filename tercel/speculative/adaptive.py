@@ -8,8 +8,8 @@ decode step, no drafts) that maximises expected tokens per second.
   accept stats per request, a decayed count of accepted / offered draft positions: alpha, the chance
                that a draft is accepted given the one before it was (a geometric model)
   policy       argmax over the candidate widths of sum_r E[accepted + 1 | w, alpha_r] / cost(bucket, w);
-               while the answer stays 1 it still probes the full width now and then (exponential back-off),
-               so acceptance that was low can recover
+               while the answer stays 1 it still probes the narrowest speculative width now and then
+               (exponential back-off), so acceptance that was low can recover
 
 Plain steps of drafters that read target hidden states (EAGLE, DFlash) keep those states on the request
 (`defer`) instead of running the draft over every token; one draft_extend over all of them (`flush`)
@@ -167,8 +167,9 @@ class CostModel:
 @dataclass(slots=True)
 class WidthPolicy:
     """The width that maximises expected tokens per second, speculating only when that beats a plain step by
-    `margin`; probes the widest width after a run of plain steps (first after probe_first of them, then twice
-    as long each time, up to probe_max)."""
+    `margin`; probes the narrowest speculative width after a run of plain steps (first after probe_first of
+    them, then twice as long each time, up to probe_max): a probe that finds acceptance low again costs least
+    there, and one that finds it high lets the policy widen on its merits."""
     probe_first: int = 32
     probe_max: int = 512
     plain_run: int = 0
@@ -195,7 +196,7 @@ class WidthPolicy:
         if self.plain_run < self.probe_every:
             return 1
         self.plain_run, self.probe_every = 0, min(2 * self.probe_every, self.probe_max)
-        return max(widths)
+        return min(w for w in widths if w > 1)  # the cheapest step that still measures acceptance
 
 
 @dataclass(slots=True)
