@@ -278,25 +278,35 @@ class LlamaForCausalLM(nn.Module):
                                               every_row)
             return ModelOutput(logits=logits, hidden_states=self._hidden(mode, aux, normed, batch, every_row))
         else:
-            # Residual stream h_i = h_(i-1) + attn + mlp; each add is fused into the norm that follows it,
-            # so h_i materialises as `residual` at the start of layer i + 1 (and at the final norm).
-            residual, delta = h, None
-            for i, layer in enumerate(self.layers):
-                if delta is None:
-                    x = layer.input_layernorm.forward(residual)
-                else:
-                    x, residual = layer.input_layernorm.add_forward(delta, residual)
-                    if i - 1 in aux_ids:
-                        aux.append(residual)
-                # .forward, not __call__: these modules carry no hooks, and the call overhead adds up per token
-                attn = layer.self_attn.forward(x, cos_sin, self.attn_backend, batch, meta, kv)
-                x, residual = layer.post_attention_layernorm.add_forward(attn, residual)
-                delta = layer.mlp.forward(x)
-            normed, h = self.norm.add_forward(delta, residual)
-            if len(self.layers) - 1 in aux_ids:
-                aux.append(h)
+            normed = self._layers(h, cos_sin, batch, meta, kv, aux_ids, aux)
         logits = self.compute_logits(normed if every_row else normed[batch.logits_indices])
         return ModelOutput(logits=logits, hidden_states=self._hidden(mode, aux, normed, batch, every_row))
+
+    def _layers(self, h: torch.Tensor, cos_sin, batch: ForwardBatch, meta: object, kv: PagedKVCache,
+                aux_ids, aux: list[torch.Tensor], reduce=None) -> torch.Tensor:
+        """The unfused layer loop; returns the final normed hidden and appends the aux layers' outputs to aux.
+        reduce: tensor parallelism's all-reduce of each attention and MLP output (a rank's partial sums)."""
+        # Residual stream h_i = h_(i-1) + attn + mlp; each add is fused into the norm that follows it,
+        # so h_i materialises as `residual` at the start of layer i + 1 (and at the final norm).
+        residual, delta = h, None
+        for i, layer in enumerate(self.layers):
+            if delta is None:
+                x = layer.input_layernorm.forward(residual)
+            else:
+                x, residual = layer.input_layernorm.add_forward(delta, residual)
+                if i - 1 in aux_ids:
+                    aux.append(residual)
+            # .forward, not __call__: these modules carry no hooks, and the call overhead adds up per token
+            attn = layer.self_attn.forward(x, cos_sin, self.attn_backend, batch, meta, kv)
+            x, residual = layer.post_attention_layernorm.add_forward(attn if reduce is None else reduce(attn),
+                                                                     residual)
+            delta = layer.mlp.forward(x)
+            if reduce is not None:
+                delta = reduce(delta)
+        normed, h = self.norm.add_forward(delta, residual)
+        if len(self.layers) - 1 in aux_ids:
+            aux.append(h)
+        return normed
 
     def _forward_tp(self, batch: ForwardBatch, kv: PagedKVCache, input_embeds: torch.Tensor | None,
                     attn_meta: object | None) -> ModelOutput:
@@ -313,20 +323,8 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = self.rope.lookup(batch.positions)
         aux: list[torch.Tensor] = []
         every_row = batch.logits_indices.shape[0] == h.shape[0]
-        residual, delta = h, None
-        for i, layer in enumerate(self.layers):
-            if delta is None:
-                x = layer.input_layernorm.forward(residual)
-            else:
-                x, residual = layer.input_layernorm.add_forward(delta, residual)
-                if i - 1 in aux_ids:
-                    aux.append(residual)  # whole after the all-reduce: aux capture works as on one rank
-            attn = tp.all_reduce(layer.self_attn.forward(x, cos_sin, self.attn_backend, batch, meta, kv))
-            x, residual = layer.post_attention_layernorm.add_forward(attn, residual)
-            delta = tp.all_reduce(layer.mlp.forward(x))
-        normed, h = self.norm.add_forward(delta, residual)
-        if len(self.layers) - 1 in aux_ids:
-            aux.append(h)
+        # the residual stream is whole after each all-reduce: aux capture works as on one rank
+        normed = self._layers(h, cos_sin, batch, meta, kv, aux_ids, aux, reduce=tp.all_reduce)
         logits = tp.gather_logits(self.compute_logits(normed if every_row else normed[batch.logits_indices]))
         return ModelOutput(logits=logits, hidden_states=self._hidden(mode, aux, normed, batch, every_row))
 

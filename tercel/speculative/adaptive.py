@@ -166,26 +166,18 @@ class CostModel:
 
 @dataclass(slots=True)
 class WidthPolicy:
-    """The width that maximises expected tokens per second, speculating only when that beats a plain step by
-    `margin`; probes the narrowest speculative width after a run of plain steps (first after probe_first of
-    them, then twice as long each time, up to probe_max): a probe that finds acceptance low again costs least
-    there, and one that finds it high lets the policy widen on its merits."""
+    """The width that maximises expected tokens per second; probes the narrowest speculative width after a run
+    of plain steps (first after probe_first of them, then twice as long each time, up to probe_max): a probe
+    that finds acceptance low again costs least there, and one that finds it high lets the policy widen on
+    its merits."""
     probe_first: int = 32
     probe_max: int = 512
     plain_run: int = 0
     probe_every: int = 32
-    # alpha is highest right after lucky verifies (the policy reads it then) and step times wander, so a
-    # speculative step that only ties plain on paper loses on average: it must promise this much more
-    margin: float = 1.1
 
     def best(self, costs: CostModel, batch_size: int, alphas: Sequence[float], widths: Sequence[int]) -> int:
-        def rate(w: int) -> float:
-            return sum(expected_tokens(a, w) for a in alphas) / costs.step_s(batch_size, w)
-
-        w = -max((rate(w), -w) for w in widths)[1]  # ties go to the narrower width
-        if w > 1 and 1 in widths and rate(w) < self.margin * rate(1):
-            return 1
-        return w
+        rates = [(sum(expected_tokens(a, w) for a in alphas) / costs.step_s(batch_size, w), -w) for w in widths]
+        return -max(rates)[1]  # ties go to the narrower width
 
     def choose(self, costs: CostModel, batch_size: int, alphas: Sequence[float], widths: Sequence[int]) -> int:
         w = self.best(costs, batch_size, alphas, widths)
