@@ -78,7 +78,8 @@ def accept_greedy_batched(argmax: torch.Tensor, tokens: torch.Tensor, lens: torc
                           masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy acceptance of a whole verify batch on the device, no host sync.
 
-    argmax, tokens: [B, W] (the target's argmax at each node, the node's token); lens: [B] real nodes.
+    argmax, tokens: [B, W] (the target's token at each node: its argmax, or at T > 0 the plain sampler's draw
+    from sampled_targets; the node's token); lens: [B] real nodes.
     Chains (parents None): the accepted count is the run of leading drafts equal to the argmax before
     them. Trees: node j is correct when its token is the argmax at its parent; it is reachable when every
     node on its root path is correct (masks: ancestor-or-self); the deepest reachable node ends the
