@@ -42,7 +42,7 @@ from .loader.model_loader import Checkpoint, DtypeChoice, LoadedModel, load_mode
 from .loader.tokenizer import Tokenizer
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request
-from .sampling import Sampler, greedy_tokens, sample_batch
+from .sampling import Sampler, SamplingTensors, greedy_tokens, sample_rows, stream_keys
 from .sampling_params import RequestOutputKind, SamplingParams
 from .scheduler import ScheduledRequest, Scheduler
 
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 SPEC_GRAPH_MAX_BS = 64  # largest batch whose speculative steps are captured (larger ones run eagerly)
+_GREEDY_STANDIN = SamplingParams(temperature=1.0)  # greedy rows of a mixed sampled window draw, unused
 
 
 @dataclass(slots=True)
@@ -63,6 +64,7 @@ class DecodeWindow:
     block_tables: torch.Tensor  # [B, width]: covers the whole window
     logits_indices: torch.Tensor  # [B]
     seq_lens_cpu: list[list[int]]  # [num_steps][B], host copy
+    draw_keys: torch.Tensor | None = None  # [num_steps, B]: each step's stream key per request (sampled rows)
 
     def batch(self, step: int, input_ids: torch.Tensor) -> ForwardBatch:
         lens = self.seq_lens_cpu[step]
@@ -80,6 +82,8 @@ class InflightWindow:
     tokens: torch.Tensor  # [num_steps, B] on the device: the last row feeds the next window
     host_tokens: torch.Tensor  # the same, copied to (pinned) host memory behind `ready`
     ready: torch.cuda.Event | None  # None on CPU (the forwards ran synchronously)
+    spec_plain: bool = False  # plain steps granted by adaptive speculation
+    hidden: torch.Tensor | None = None  # spec_plain: [num_steps, B, H] the drafter's hidden rows
 
 
 def engine_config(model: "str | Path | EngineConfig | None", config: EngineConfig | None,
@@ -161,6 +165,7 @@ class LLMEngine:
         self.overlap_schedule = (self.device.type == "cuda" if sched.disable_overlap_schedule is None
                                  else not sched.disable_overlap_schedule)
         self._inflight: InflightWindow | None = None
+        self._last_plain_window: float | None = None  # when the last spec-plain window was read back
         self._download_stream = None  # CUDA (set with the stager): the stream that brings window tokens to the host
         # dtype="auto" on the CPU reads the checkpoint's header to pick its path; tensor-parallel ranks load
         # dense shards (a GGUF's 4-bit matrices are not kept), so they resolve it as for a dense checkpoint
@@ -421,6 +426,7 @@ class LLMEngine:
                 window = self.scheduler.schedule_decode_window(num_steps)
                 if window is not None:
                     return self._multi_step(window, num_steps)
+            self._last_plain_window = None
             sched = self.scheduler.schedule(self.spec.extra_slots if self.spec is not None else 0)
             if not sched.scheduled:
                 return []
@@ -450,8 +456,12 @@ class LLMEngine:
         appended yet. Never past a request's max_tokens or max_model_len, so every reserved KV slot of a
         live request is used."""
         n = self.num_scheduler_steps
-        if (n == 1 and not self.overlap_schedule) or self.spec is not None:
+        if n == 1 and not self.overlap_schedule:
             return 0
+        if self.spec is not None:  # adaptive speculation may grant a stretch of plain steps
+            n = min(n, self.spec.plain_window(self.scheduler.running))
+            if n < 1:
+                return 0
         for r in self.scheduler.running:
             if not self._window_eligible(r):
                 return 0
@@ -474,6 +484,11 @@ class LLMEngine:
         width = max(len(r.block_table) for r in reqs)
         tables = [b for r in reqs for b in r.block_table + [0] * (width - len(r.block_table))]
         lists = [positions, slots, seq_lens, tables, list(range(len(reqs)))]
+        sampled = any(not r.params.greedy for r in reqs)
+        if sampled:  # draw r.draws + step of each stream, taken now (greedy rows draw too, unused)
+            lists += [[r.seed for r in reqs], [r.draws for r in reqs]]
+            for r in reqs:
+                r.draws += num_steps
         if first_ids is None:
             lists.append([(r.output_token_ids or r.prompt_token_ids)[-1] for r in reqs])
         if self._stager is not None:  # GPU: the whole window's inputs in one pinned upload
@@ -481,10 +496,16 @@ class LLMEngine:
         else:
             t = [torch.tensor(x, dtype=torch.long, device=self.device) for x in lists]
         b = len(reqs)
+        keys = None
+        if sampled:
+            seeds, draws = t[5], t[6]
+            t = t[:5] + t[7:]
+            steps = torch.arange(num_steps, device=seeds.device)[:, None]
+            keys = stream_keys(seeds[None, :], draws[None, :] + steps)
         return DecodeWindow(first_ids=t[5] if first_ids is None else first_ids,
                             positions=t[0].view(num_steps, b), out_cache_loc=t[1].view(num_steps, b),
                             seq_lens=t[2].view(num_steps, b), block_tables=t[3].view(b, width), logits_indices=t[4],
-                            seq_lens_cpu=[seq_lens[i * b:(i + 1) * b] for i in range(num_steps)])
+                            seq_lens_cpu=[seq_lens[i * b:(i + 1) * b] for i in range(num_steps)], draw_keys=keys)
 
     def _multi_step(self, scheduled: list[ScheduledRequest], num_steps: int) -> list[RequestOutput]:
         """A decode window: launched, then (overlap schedule) left in flight, or read back now."""
@@ -513,17 +534,37 @@ class LLMEngine:
         chose on the device (argmax; sampled requests: Sampler's exponential race, batched). Nothing here
         waits for the GPU; the tokens start on their way to the host behind an event."""
         window = self._build_window(reqs, num_steps, ahead, first_ids)
-        sampled_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        st = mixed = None
+        if window.draw_keys is not None:  # per-row settings on the device once per window (greedy rows: T = 1)
+            st = SamplingTensors.of([r.params if not r.params.greedy else _GREEDY_STANDIN for r in reqs],
+                                    self.model_config.vocab_size, self.device)
+            if any(r.params.greedy for r in reqs):
+                mixed = torch.tensor([not r.params.greedy for r in reqs], pin_memory=self.device.type == "cuda")
+                mixed = mixed.to(self.device, non_blocking=True)
+        spec_plain = self.spec is not None
+        if spec_plain:
+            self.spec.adaptive.ran_plain(num_steps, len(reqs), None)
         ids = window.first_ids
         step_tokens: list[torch.Tensor] = []
+        hidden: list[torch.Tensor] = []
         for step in range(num_steps):
-            out = self.run_model(window.batch(step, ids))
-            # choose before the next replay overwrites the graph's logits; the same ops as Sampler.sample
-            ids = greedy_tokens(out.logits)
-            if sampled_rows:
-                ids[sampled_rows] = sample_batch(out.logits[sampled_rows], [reqs[i] for i in sampled_rows])
+            if spec_plain:  # the drafter's hidden rows too, kept for its deferred draft_extend
+                out = self.spec.plain_forward(window.batch(step, ids))
+                if out.hidden_states is not None:
+                    hidden.append(out.hidden_states.clone())  # the next replay overwrites the graph's output
+            else:
+                out = self.run_model(window.batch(step, ids))
+            # choose before the next replay overwrites the graph's logits; the same rules as Sampler.sample,
+            # on the device with no host sync (greedy argmax; sampled rows: the race with this step's keys)
+            if st is None:
+                ids = greedy_tokens(out.logits)
+            else:
+                ids = sample_rows(out.logits, st, window.draw_keys[step])
+                if mixed is not None:
+                    ids = torch.where(mixed, ids, greedy_tokens(out.logits))
             step_tokens.append(ids)
         tokens = torch.stack(step_tokens)
+        stacked = torch.stack(hidden) if hidden else None
         if tokens.is_cuda:  # a sync-free copy: .tolist() here would also wait for any window launched after
             # on its own stream, so the next window's kernels need not queue behind the copy's latency
             down = self._download_stream
@@ -534,8 +575,8 @@ class LLMEngine:
                 ready = torch.cuda.Event()
                 ready.record()
             tokens.record_stream(down)
-            return InflightWindow(reqs, num_steps, tokens, host, ready)
-        return InflightWindow(reqs, num_steps, tokens, tokens, None)
+            return InflightWindow(reqs, num_steps, tokens, host, ready, spec_plain, stacked)
+        return InflightWindow(reqs, num_steps, tokens, tokens, None, spec_plain, stacked)
 
     def _collect_window(self, w: InflightWindow) -> list[RequestOutput]:
         """Wait for a window's tokens and append them with the usual stop checks. A request aborted while
@@ -553,6 +594,11 @@ class LLMEngine:
                 if r.finish_reason is not None:  # the rest of its window is discarded; its blocks are freed
                     break
             self._emit(outputs, r)
+        now = time.perf_counter()
+        if w.spec_plain:  # the pace of back-to-back plain windows is what a plain step costs here
+            pace = None if self._last_plain_window is None else (now - self._last_plain_window) / w.num_steps
+            self.spec.after_plain_window(w.reqs, w.hidden, w.num_steps, pace)
+        self._last_plain_window = now if w.spec_plain else None
         return outputs
 
     def run_model(self, batch: ForwardBatch) -> ModelOutput:

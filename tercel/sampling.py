@@ -5,6 +5,9 @@ speculative verification reuses them so acceptance is judged against that same d
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 from .kernels import use_triton
@@ -133,28 +136,90 @@ def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return greedy_tokens(probs.float() / noise)
 
 
-def sample_probs(probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-    """One draw per row of probs [len(reqs), V] by the exponential race (argmax p / E, E ~ Exp(1)): the
-    same law as multinomial. Token ids [len(reqs)] stay on probs' device (no host sync)."""
-    return race(probs, draw_noise(draw_keys(reqs), probs.shape[-1], probs.device))
+def race_keys(probs: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """race(probs, draw_noise(keys)) for probs [N, V] and keys [N]: on a GPU one fused kernel makes the noise
+    (kernels/race.py). ids [N, V]: column j of a row is token ids[n, j] (its noise, and the id returned)."""
+    if use_triton(probs):
+        from .kernels.race import race_rows
+
+        return race_rows(probs.contiguous(), keys.to(probs.device), ids)
+    noise = draw_noise(keys, probs.shape[-1], probs.device)
+    if ids is None:
+        return race(probs, noise)
+    return ids.gather(1, race(probs, noise.gather(1, ids))[:, None])[:, 0]
 
 
-def sample_batch(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-    """Sampled (T > 0) rows: each request's token from its target_probs, batched over requests that share
-    their filter settings. logits [len(reqs), V]; token ids [len(reqs)] stay on logits' device."""
+@dataclass(slots=True)
+class SamplingTensors:
+    """Per-row temperature / top-k / top-p / min-p of a batch of sampled (T > 0) rows, on the device, so one
+    set of launches filters rows with different settings (no grouping by setting, no host sync)."""
+    temperature: torch.Tensor  # [N] float32
+    top_k: torch.Tensor  # [N] int64: the kept count (the vocabulary size when off)
+    top_p: torch.Tensor  # [N] float32 (1: off)
+    min_p: torch.Tensor  # [N] float32 (0: off)
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], vocab: int, device: torch.device,
+           repeat: int = 1) -> "SamplingTensors":
+        """One row per params entry, each repeated `repeat` times (a verify's nodes); a pinned, non-blocking
+        upload on a GPU."""
+        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        host = torch.tensor([[float(p.temperature) for p in params], [float(k) for k in ks],
+                             [float(p.top_p) for p in params], [float(p.min_p) for p in params]],
+                            dtype=torch.float32)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(device, non_blocking=True)
+        if repeat > 1:
+            dev = dev.repeat_interleave(repeat, dim=1)
+        return cls(dev[0], dev[1].long(), dev[2], dev[3], any(k < vocab for k in ks),
+                   any(p.top_p < 1.0 for p in params), any(p.min_p > 0.0 for p in params))
+
+
+def sample_rows(logits: torch.Tensor, st: SamplingTensors, keys: torch.Tensor) -> torch.Tensor:
+    """A draw per row of logits [N, V] from its filtered distribution (filter_logits' rules, each row with its
+    own settings), by the race with each row's stream key (keys [N]). Token ids [N] on the device, no sync.
+    Top-k / top-p work in the sorted domain, and the race runs there too (the candidates' ids map back)."""
+    x = logits.float() / st.temperature[:, None]
+    if not (st.any_top_k or st.any_top_p):
+        probs = x.softmax(-1)
+        if st.any_min_p:
+            probs = probs.masked_fill(probs < st.min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
+        return race_keys(probs, keys)
+    sx, order = torch.sort(x, dim=-1, descending=True)
+    if st.any_top_k:
+        kth = sx.gather(1, (st.top_k - 1)[:, None])
+        sx = sx.masked_fill(sx < kth, float("-inf"))
+    probs = sx.softmax(-1)
+    if st.any_top_p:  # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = ((probs.cumsum(-1) - probs) >= st.top_p[:, None]) & (st.top_p < 1.0)[:, None]
+        probs = sx.masked_fill(drop, float("-inf")).softmax(-1)
+    if st.any_min_p:
+        probs = probs.masked_fill(probs < st.min_p[:, None] * probs[:, :1], 0.0)
+    return race_keys(probs, keys, order)
+
+
+def sample_batch(logits: torch.Tensor, reqs: list[Request], keys: torch.Tensor | None = None) -> torch.Tensor:
+    """Sampled (T > 0) rows: each request's token from its target_probs. logits [len(reqs), V]; keys: each row's
+    stream key on the device (None: the requests' next draws, taken now). Token ids [len(reqs)] stay on
+    logits' device."""
+    if keys is None:
+        keys = draw_keys(reqs).to(logits.device, non_blocking=True)
+    ctx = [i for i, r in enumerate(reqs) if r.params.has_penalties or r.params.min_tokens]
+    if not ctx:
+        return sample_rows(logits, SamplingTensors.of([r.params for r in reqs], logits.shape[-1], logits.device),
+                           keys)
     out = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
-    groups: dict[tuple, list[int]] = {}
-    for i, r in enumerate(reqs):
-        p = r.params
-        plain = not p.has_penalties and not p.min_tokens
-        groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p) if plain else ("row", i), []).append(i)
-    for key, rows in groups.items():
-        sub = [reqs[i] for i in rows]
-        if key[0] == "row":  # penalties / min_tokens depend on the request's own tokens
-            probs = target_probs(logits[rows[0]], sub[0])[None]
-        else:
-            probs = filter_logits(logits[rows], sub[0].params).softmax(-1)
-        out[rows] = sample_probs(probs, sub)
+    free = [i for i in range(len(reqs)) if i not in set(ctx)]
+    if free:
+        idx = torch.tensor(free, device=logits.device)
+        st = SamplingTensors.of([reqs[i].params for i in free], logits.shape[-1], logits.device)
+        out[idx] = sample_rows(logits[idx], st, keys[idx])
+    for i in ctx:  # penalties / min_tokens depend on the request's own tokens: one row at a time
+        out[i:i + 1] = race_keys(target_probs(logits[i], reqs[i])[None], keys[i:i + 1])
     return out
 
 

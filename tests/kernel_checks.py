@@ -377,8 +377,38 @@ def check_argmax(device: str, dtype: torch.dtype) -> None:
     assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
 
 
-ALL = [check_argmax, check_norms, check_rope_store, check_decode, check_extend, check_gemv, check_gemv_fused,
-       check_gemm_small, check_decode_rope]
+def check_race(device: str, dtype: torch.dtype) -> None:
+    """The fused race (noise made in the kernel) equals torch's race over draw_noise, token for token: vocabularies
+    on and off the slice width, bf16 and fp32 probabilities, zero-probability tokens, the sorted-domain form with
+    an id map, and the whole device sampler (sample_rows) against one request at a time through filter_logits."""
+    from tercel.kernels.race import BLOCK, race_rows
+    from tercel.sampling import SamplingTensors, draw_noise, filter_logits, race, sample_rows, stream_keys
+    from tercel.sampling_params import SamplingParams
+
+    g = torch.Generator(device="cpu").manual_seed(12)
+    for b, v in [(1, 49152), (3, BLOCK), (2, 7), (4, 2 * BLOCK + 3)]:
+        probs = torch.rand(b, v, generator=g).pow(8).softmax(-1).to(device, dtype)
+        probs[:, ::3] = 0
+        keys = stream_keys(torch.arange(b) * 7919, torch.arange(b) + 3).to(device)
+        want = race(probs, draw_noise(keys, v, probs.device))
+        assert torch.equal(race_rows(probs, keys), want), (b, v, dtype)
+        ids = torch.argsort(torch.rand(b, v, generator=g), -1).to(device)
+        want = ids.gather(1, race(probs, draw_noise(keys, v, probs.device).gather(1, ids))[:, None])[:, 0]
+        assert torch.equal(race_rows(probs, keys, ids), want), (b, v, dtype, "ids")
+    logits = (torch.randn(5, 3000, generator=g) * 4).to(device)
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=50),
+              SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.3, min_p=0.05),
+              SamplingParams(temperature=0.8, top_k=20, top_p=0.8, min_p=0.02)]
+    for seed in range(4):
+        keys = stream_keys(torch.full((5,), seed), torch.arange(5)).to(device)
+        got = sample_rows(logits, SamplingTensors.of(params, 3000, torch.device(device)), keys)
+        for i, p in enumerate(params):
+            probs = filter_logits(logits[i:i + 1], p).softmax(-1)
+            assert got[i] == race(probs, draw_noise(keys[i:i + 1], 3000, probs.device))[0], (seed, i)
+
+
+ALL = [check_race, check_argmax, check_norms, check_rope_store, check_decode, check_extend, check_gemv,
+       check_gemv_fused, check_gemm_small, check_decode_rope]
 
 
 def run_all(device: str, dtype: torch.dtype) -> None:

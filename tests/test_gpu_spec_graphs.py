@@ -56,8 +56,10 @@ def _tokens(llm, prompts, n):
 def test_graph_mode_equals_eager_mode_bf16(bf16, chats, name):
     # bit-for-bit against eager needs the same steps in the same batches: the overlap schedule (a chained
     # EAGLE step runs one step past a request's end) is checked in fp32 against plain decoding below
-    graph = spec_llm(bf16, **GRAPH_BS, disable_overlap_schedule=True, **ALGOS[name])
-    eager = spec_llm(bf16, disable_cuda_graph=True, kv_cache_memory=2 << 30, **ALGOS[name])
+    # and the same widths: adaptive widths follow measured step costs, which differ between the two engines
+    graph = spec_llm(bf16, **GRAPH_BS, disable_overlap_schedule=True, speculative_adaptive="off", **ALGOS[name])
+    eager = spec_llm(bf16, disable_cuda_graph=True, kv_cache_memory=2 << 30, speculative_adaptive="off",
+                     **ALGOS[name])
     for batch in (chats[:1], chats[:16]):
         assert _tokens(graph, batch, 128) == _tokens(eager, batch, 128)
     spec = graph.engine.spec
@@ -96,7 +98,7 @@ def test_fp32_speculative_equals_plain(fp32, chats, name):
                                  speculative_num_draft_tokens=n, **E3) for n in (2, 8, 9, 16)],
                          ids=lambda kw: "-".join(str(v) for k, v in kw.items() if k != "speculative_draft_model_path"))
 def test_every_block_size_and_budget_runs(bf16, chats, kw):
-    llm = spec_llm(bf16, cuda_graph_max_bs=4, kv_cache_memory=2 << 30, **kw)
+    llm = spec_llm(bf16, cuda_graph_max_bs=4, kv_cache_memory=2 << 30, speculative_adaptive="off", **kw)
     outs = _tokens(llm, chats[:4], 32)
     assert all(len(o) == 32 for o in outs) and llm.engine.stats().kv_blocks_used == 0
     assert llm.engine.spec.verify_runner.stats.replays > 0

@@ -19,6 +19,8 @@ the worker verifies whatever width is chosen with the same lossless acceptance.
 from __future__ import annotations
 
 import bisect
+import collections
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +34,8 @@ from .drafter import Drafter, ExtendedChunk
 PRIOR_ALPHA = 0.6  # the first requests' acceptance guess; later ones start from the recent requests' average
 PRIOR_WEIGHT = 2.0  # worth two observed positions, so real verifies take over at once
 DECAY = 0.8  # per verify: the stats follow the text as it changes (code, prose, a repeated list)
-DEFER_CAP = 32  # deferred hidden rows per request before a draft_extend runs anyway (bounds memory)
+DEFER_CAP = 128  # deferred hidden rows per request before a draft_extend runs anyway (bounds memory)
+OBSERVED_WINDOW = 9  # a width's step cost is the median of its last this many real steps (host noise)
 
 
 def check_adaptive(value: object) -> bool:
@@ -65,8 +68,9 @@ class RequestAcceptStats:
     """One request's running acceptance (Request.spec_adaptive) and its deferred target hidden rows."""
     accepted: float = PRIOR_ALPHA * PRIOR_WEIGHT
     offered: float = PRIOR_WEIGHT
-    deferred: list[torch.Tensor] = field(default_factory=list)  # [1, H] rows, positions deferred_start ..
+    deferred: list[torch.Tensor] = field(default_factory=list)  # [n, H] chunks, positions deferred_start ..
     deferred_start: int = 0
+    deferred_rows: int = 0
 
     @property
     def alpha(self) -> float:
@@ -82,7 +86,7 @@ class RequestAcceptStats:
         self.offered = decay * self.offered + tried
 
     def deferred_end(self) -> int:
-        return self.deferred_start + len(self.deferred)
+        return self.deferred_start + self.deferred_rows
 
 
 def stats_of(r: Request, prior: float = PRIOR_ALPHA) -> RequestAcceptStats:
@@ -103,15 +107,17 @@ def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
 
 @dataclass(slots=True)
 class CostModel:
-    """Step seconds by (batch bucket, width). step_s: the moving average of real steps at that width once
-    one ran; before that the measured target forward (forward_s) plus the rest of a step (overhead_s, key:
-    bucket, speculative?, learnt from the other widths' real steps). An unknown overhead counts as 0, so
-    the first speculative step at a bucket runs and measures what drafting really costs."""
+    """Step seconds by (batch bucket, width). step_s: the median of the last real steps at that width once
+    one ran (one slow step on a busy host moves nothing); before that the measured target forward (forward_s)
+    plus the rest of a step (overhead_s, key: bucket, speculative?, learnt from the other widths' real steps).
+    An unknown overhead counts as 0, so the first speculative step at a bucket runs and measures what drafting
+    really costs."""
     buckets: tuple[int, ...]
     forward_s: dict[tuple[int, int], float] = field(default_factory=dict)
     overhead_s: dict[tuple[int, bool], float] = field(default_factory=dict)
     observed_s: dict[tuple[int, int], float] = field(default_factory=dict)
-    smoothing: float = 0.25  # weight of the newest step in the moving averages
+    recent_s: dict[tuple[int, int], collections.deque] = field(default_factory=dict)
+    smoothing: float = 0.25  # weight of the newest step in the overhead's moving average
 
     def bucket(self, batch_size: int) -> int:
         i = bisect.bisect_left(self.buckets, batch_size)
@@ -137,7 +143,9 @@ class CostModel:
         b = self.bucket(batch_size)
         if (b, width) not in self.forward_s:
             return
-        self._average(self.observed_s, (b, width), wall_s)
+        recent = self.recent_s.setdefault((b, width), collections.deque(maxlen=OBSERVED_WINDOW))
+        recent.append(wall_s)
+        self.observed_s[b, width] = statistics.median(recent)
         self._average(self.overhead_s, (b, width > 1), wall_s - self.forward_s[b, width])
 
     def measure(self, batch_size: int, widths: Sequence[int], forward: Callable[[int, int], None],
@@ -179,6 +187,10 @@ class WidthPolicy:
         rates = [(sum(expected_tokens(a, w) for a in alphas) / costs.step_s(batch_size, w), -w) for w in widths]
         return -max(rates)[1]  # ties go to the narrower width
 
+    def plain_budget(self) -> int:
+        """Plain steps left before the next probe."""
+        return max(0, self.probe_every - 1 - self.plain_run)
+
     def choose(self, costs: CostModel, batch_size: int, alphas: Sequence[float], widths: Sequence[int]) -> int:
         w = self.best(costs, batch_size, alphas, widths)
         if w > 1 or len(widths) == 1:
@@ -214,6 +226,23 @@ class AdaptiveSpec:
         prior = self.recent.alpha
         return self.policy.choose(self.costs, len(reqs), [stats_of(r, prior).alpha for r in reqs], widths)
 
+    def plain_steps(self, reqs: Sequence[Request], widths: Sequence[int]) -> int:
+        """How many plain steps the policy grants these decoding requests now, to run as decode windows at plain
+        speed (the engine's multi-step / overlap path); 0: the next step goes through the worker (a speculative
+        step, a probe, or a bucket whose costs are not measured yet)."""
+        if len(widths) == 1 or not self.costs.knows(len(reqs), widths):
+            return 0
+        prior = self.recent.alpha
+        if self.policy.best(self.costs, len(reqs), [stats_of(r, prior).alpha for r in reqs], widths) != 1:
+            return 0
+        return self.policy.plain_budget()
+
+    def ran_plain(self, num_steps: int, batch_size: int, wall_s_per_step: float | None) -> None:
+        """A decode window of num_steps plain steps ran (wall_s_per_step: its measured pace, when known)."""
+        self.policy.plain_run += num_steps
+        if wall_s_per_step is not None:
+            self.costs.observe(batch_size, 1, wall_s_per_step)
+
     def record(self, r: Request, drafts: int, accepted: int) -> None:
         stats_of(r, self.recent.alpha).record(drafts, accepted)
         self.recent.record(drafts, accepted, decay=0.95)
@@ -229,17 +258,25 @@ class AdaptiveSpec:
     def drop_deferred(r: Request) -> None:
         if isinstance(r.spec_adaptive, RequestAcceptStats):
             r.spec_adaptive.deferred.clear()
+            r.spec_adaptive.deferred_rows = 0
 
     def defer(self, reqs: Sequence[Request], rows: Sequence[int], hidden: torch.Tensor, drafter: Drafter) -> None:
         """Plain step done (num_computed_tokens counts it): keep each request's hidden row for a later
         draft_extend; a full buffer is extended now."""
+        self.defer_chunks(reqs, [hidden[row:row + 1] for row in rows], drafter)
+
+    def defer_chunks(self, reqs: Sequence[Request], chunks: Sequence[torch.Tensor], drafter: Drafter) -> None:
+        """Plain steps done (num_computed_tokens counts them): chunk i holds request i's hidden rows of its last
+        len(chunk) positions (cloned: graph outputs are overwritten by the next replay)."""
         full = []
-        for r, row in zip(reqs, rows):
+        for r, chunk in zip(reqs, chunks):
             st = stats_of(r)
             if not st.deferred:
-                st.deferred_start = r.num_computed_tokens - 1
-            st.deferred.append(hidden[row:row + 1].clone())  # graph outputs are overwritten by the next replay
-            if len(st.deferred) >= self.defer_cap:
+                st.deferred_start = r.num_computed_tokens - chunk.shape[0]
+                st.deferred_rows = 0
+            st.deferred.append(chunk.clone())
+            st.deferred_rows += chunk.shape[0]
+            if st.deferred_rows >= self.defer_cap:
                 full.append(r)
         if full:
             self.flush(full, drafter)
@@ -253,7 +290,7 @@ class AdaptiveSpec:
         for r in pending:
             st = stats_of(r)
             chunks.append(ExtendedChunk(r, st.deferred_start, st.deferred_end(), offset))
-            offset += len(st.deferred)
+            offset += st.deferred_rows
             rows += st.deferred
-            st.deferred = []
+            st.deferred, st.deferred_rows = [], 0
         drafter.after_extend(chunks, torch.cat(rows))

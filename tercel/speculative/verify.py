@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..request import Request
-from ..sampling import ahead_keys, draw_noise, filter_logits, processed_logits, race, target_probs
+from ..sampling import SamplingTensors, ahead_keys, processed_logits, race_keys, sample_rows, target_probs
 from .tree import DraftTree
 
 
@@ -65,7 +65,7 @@ def accept_walk(tree: DraftTree, logits: torch.Tensor, req: Request) -> Accepted
                 tok = int(processed_logits(logits[cur], req).argmax())
             else:
                 p = target_probs(logits[cur], req)
-                tok = int(race(p, draw_noise(ahead_keys([req], torch.tensor([[depth]]))[0], p.shape[-1], p.device))[0])
+                tok = int(race_keys(p[None], ahead_keys([req], torch.tensor([[depth]]))[0].to(p.device))[0])
         nxt = next((c for c in tree.children[cur] if tree.tokens[c] == tok), None)
         if nxt is None:
             return Accepted(nodes, tok)
@@ -104,15 +104,6 @@ def sampled_targets(logits: torch.Tensor, depth: torch.Tensor, reqs: list[Reques
     with E the noise of draw r.draws + depth of the request's stream. logits [b, W, V]; depth [b, W] (a
     chain's row index); reqs sampled (T > 0) and context_free. Returns [b, W], for accept_greedy_batched."""
     b, w, v = logits.shape
-    out = torch.empty(b, w, dtype=torch.long, device=logits.device)
-    groups: dict[tuple, list[int]] = {}
-    for i, r in enumerate(reqs):  # one filter per distinct setting, as sample_batch
-        p = r.params
-        groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
-    keys = ahead_keys(reqs, depth.to(torch.int64))
-    for rows in groups.values():
-        idx = torch.tensor(rows, device=logits.device)
-        probs = filter_logits(logits.index_select(0, idx).reshape(len(rows) * w, v), reqs[rows[0]].params).softmax(-1)
-        noise = draw_noise(keys.index_select(0, idx).reshape(-1), v, logits.device)
-        out.index_copy_(0, idx, race(probs, noise).view(len(rows), w))
-    return out
+    keys = ahead_keys(reqs, depth.to(torch.int64)).reshape(-1)
+    st = SamplingTensors.of([r.params for r in reqs], v, logits.device, repeat=w)
+    return sample_rows(logits.reshape(b * w, v), st, keys).view(b, w)

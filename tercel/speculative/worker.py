@@ -48,6 +48,7 @@ class SpecStats:
     accepted_tokens: int = 0
     accept_histogram: list[int] = field(default_factory=list)
     width_histogram: dict[int, int] = field(default_factory=dict)  # adaptive: steps per chosen width (1: plain)
+    plain_window_steps: int = 0  # adaptive: plain steps run as the engine's decode windows (part of width 1)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.verify_steps += 1
@@ -131,6 +132,39 @@ class SpecWorker:
         ada.costs.observe(len(reqs), width, time.perf_counter() - start)
         self.stats.width_histogram[width] = self.stats.width_histogram.get(width, 0) + 1
         return outputs
+
+    # ---- plain stretches at plain speed: the engine runs them as decode windows ------------------
+    def plain_window(self, running: list[Request]) -> int:
+        """Plain steps the adaptive policy grants the running batch now (0: the next step comes here). Only
+        when every request is decoding with its draft state in step (or its plain rows deferred)."""
+        ada = self.adaptive
+        if ada is None or not running or self.inflight:
+            return 0
+        for r in running:
+            if r.num_computed_tokens != r.num_tokens - 1 or not (self.drafter.ready(r) or ada.has_deferred(r)):
+                return 0
+        return ada.plain_steps(running, self.widths())
+
+    def plain_forward(self, batch: ForwardBatch) -> ModelOutput:
+        """One plain decode forward of a window, returning the hidden states the drafter reads (FULL / LAST):
+        the one-token verify graph, or the engine's decode graph for drafters without hidden states."""
+        self._sync_target()
+        batch.capture_hidden_mode = self.drafter.capture_hidden_mode
+        return self._verify(batch)
+
+    def after_plain_window(self, reqs: list[Request], hidden: torch.Tensor | None, num_steps: int,
+                           wall_s_per_step: float | None) -> None:
+        """A window's tokens are appended: keep the hidden rows of the requests that go on ([num_steps, B, H],
+        request i's column) for their next draft_extend, and count the window's steps in the policy."""
+        ada = self.adaptive
+        ada.ran_plain(0, len(reqs), wall_s_per_step)
+        self.stats.width_histogram[1] = self.stats.width_histogram.get(1, 0) + num_steps
+        self.stats.plain_window_steps += num_steps
+        if hidden is None:
+            return
+        alive = [i for i, r in enumerate(reqs) if r.finish_reason is None]
+        if alive:
+            ada.defer_chunks([reqs[i] for i in alive], [hidden[:, i] for i in alive], self.drafter)
 
     def _dummy_forward(self, batch_size: int, width: int) -> None:
         """The forward a step of this width runs, on a dummy batch (every slot in the dummy block 0) whose

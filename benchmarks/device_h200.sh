@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The H200 campaign, one device call per step (SmolLM2 travels in parts: ../shared/tools/split-smollm2):
+#   STEP=part N=0|1     copy part N into /tmp/smol (carry .carry/smol-N)
+#   STEP=tests N=2      the last part, reassemble, the GPU suite (carry .carry/smol-2 .carry/whl)
+#   STEP=bench          benchmarks/spec_rounds.py: every configuration in interleaved rounds
+#   STEP=bench SHAPE=llama8b SKIP=1 NAME=llama8b   the 8B shape alone (random weights, random EAGLE-3 head)
+# Logs and results land in $OUT as they are written, so a cut call still returns them.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+M=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
+mkdir -p /tmp/smol
+if [ -n "${N:-}" ]; then cp .carry/smol-$N/* /tmp/smol/; fi
+[ "${STEP}" = part ] && { nvidia-smi --query-gpu=name,memory.used --format=csv; exit 0; }
+if [ ! -f $M ]; then
+  cat /tmp/smol/smolpart* > $M && echo "a1231443440b107ff29f02bdb38c9d0a  $M" | md5sum -c || exit 3
+fi
+[ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/whl/*.whl || exit 4
+export PYTHONPATH=.:/tmp/site TERCEL_SMOL_GGUF=$M TERCEL_RESULTS_DIR=$OUT
+case "$STEP" in
+tests)
+  GPU_TESTS="tests/test_gpu_adaptive.py tests/test_gpu_spec_graphs.py tests/test_gpu_sampling.py tests/test_gpu_graphs.py
+    tests/test_gpu_multistep.py tests/test_gpu_fused_decode.py tests/test_kernel_switch.py"
+  timeout ${TEST_S:-560} python3 -m pytest -q -p no:cacheprovider --timeout 300 ${TESTS:-$GPU_TESTS} 2>&1 \
+    | tee $OUT/gpu_tests_${TERCEL_COMMIT}.log | grep -v "^tests/.*SKIPPED" | tail -40 ;;
+bench)
+  timeout ${BENCH_S:-570} python3 benchmarks/spec_rounds.py --model $M --rounds ${ROUNDS:-5} ${SHAPE:+--shape $SHAPE} ${SKIP:+--skip-smollm2} \
+    ${CONFIGS:+--configs $CONFIGS} --concurrency ${CONC:-1,16,64} \
+    --out $OUT/spec_rounds_${NAME:-smollm2}_h200_${TERCEL_COMMIT}.json 2>&1 | tee $OUT/spec_rounds_${NAME:-smollm2}.log \
+    | tail -60 ;;
+esac

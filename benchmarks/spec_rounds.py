@@ -1,0 +1,235 @@
+"""Speculative decoding against plain decoding on one GPU, every configuration loaded at once and measured in
+interleaved rounds (the host's speed drifts between minutes, so a ratio is taken within a round and the median
+over rounds is reported). Through the public API on text: `LLM.chat` on the held-out chat + code prompts, one
+conversation at a time at concurrency 1, a batch of conversations at 16 / 64 / 256.
+
+Configurations: plain (greedy and T = 1 top-p 0.95 seeded), and each algorithm with the bundled drafts at a
+fixed width (`speculative_adaptive="off"`) and adaptive (the default). `--shape llama8b` adds the
+Llama-3.1-8B shape with random weights and a random one-layer EAGLE-3 head (every draft rejected): plain,
+fixed-width chain and adaptive chain.
+
+Usage: PYTHONPATH=. python benchmarks/spec_rounds.py --model $M [--rounds 5] [--tokens 256]
+       [--concurrency 1,16,64] [--configs ...] [--shape llama8b] --out spec_rounds_smollm2_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import copy_bandwidth, environment  # noqa: E402
+
+E3 = dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1)
+TREE = dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_num_draft_tokens=16)
+CONFIGS = {  # name -> (engine keywords, temperature)
+    "plain": ({}, 0.0),
+    "eagle3-chain": (dict(E3, speculative_adaptive="off"), 0.0),
+    "eagle3-chain-adaptive": (dict(E3), 0.0),
+    "ngram": (dict(speculative_algorithm="NGRAM", speculative_adaptive="off"), 0.0),
+    "ngram-adaptive": (dict(speculative_algorithm="NGRAM"), 0.0),
+    "eagle3-tree16": (dict(TREE, speculative_adaptive="off"), 0.0),
+    "eagle3-tree16-adaptive": (dict(TREE), 0.0),
+    "dflash": (dict(speculative_algorithm="DFLASH", speculative_adaptive="off"), 0.0),
+    "dflash-adaptive": (dict(speculative_algorithm="DFLASH"), 0.0),
+    "ddtree16": (dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16, speculative_adaptive="off"), 0.0),
+    "ddtree16-adaptive": (dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16), 0.0),
+    "plain-t1": ({}, 1.0),
+    "eagle3-chain-t1": (dict(E3, speculative_adaptive="off"), 1.0),
+    "eagle3-chain-adaptive-t1": (dict(E3), 1.0),
+    "ngram-adaptive-t1": (dict(speculative_algorithm="NGRAM"), 1.0),
+}
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _spec_counts(llm) -> tuple[int, int, int]:
+    s = llm.engine.spec_stats()
+    if s is None:
+        return 0, 0, 0
+    return s.verify_steps, s.accepted_tokens, getattr(s, "plain_window_steps", 0)
+
+
+def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
+    """One pass: every conversation once, `c` at a time. tok/s over the whole wall time (prefill included)."""
+    from tercel import SamplingParams
+
+    params = [SamplingParams(max_tokens=tokens, temperature=temperature, top_p=0.95 if temperature else 1.0,
+                             seed=i if temperature else None, ignore_eos=True) for i in range(c)]
+    before = _spec_counts(llm)
+    _sync()
+    t0 = time.perf_counter()
+    n = 0
+    for start in range(0, len(convs), c):
+        batch = convs[start:start + c]
+        outs = llm.chat(batch, params[:len(batch)])
+        n += sum(len(o.outputs[0].token_ids) for o in outs)
+    _sync()
+    wall = time.perf_counter() - t0
+    after = _spec_counts(llm)
+    steps, acc, plain_w = (a - b for a, b in zip(after, before))
+    return dict(tok_s=n / wall, tokens=n, wall_s=wall, verify_steps=steps,
+                accept_length=(acc + steps) / steps if steps else None, plain_window_steps=plain_w)
+
+
+def build(base, names: list[str], extra: dict, device: str) -> dict:
+    from tercel import LLM
+
+    out = {}
+    for name in names:
+        kw, _ = CONFIGS[name]
+        t = time.perf_counter()
+        out[name] = LLM(loaded=base.engine.loaded, dtype=base.engine.dtype, device=device, progress=False,
+                        max_model_len=base.engine.config.max_model_len, **extra, **kw)
+        print(f"built {name} in {time.perf_counter() - t:.1f} s", flush=True)
+    return out
+
+
+def rounds(llms: dict, convs_by_c: dict, rounds_n: int, tokens_by_c: dict, results: dict, write) -> None:
+    names = list(llms)
+    for r in range(rounds_n):
+        order = names[r % len(names):] + names[:r % len(names)]  # rotate: no config always runs first
+        for c, convs in convs_by_c.items():
+            for name in order:
+                _, temp = CONFIGS[name]
+                point = run_point(llms[name], convs, c, tokens_by_c[c], temp)
+                results.setdefault(name, {}).setdefault(str(c), []).append(point)
+                print(f"round {r} c={c} {name}: {point['tok_s']:.0f} tok/s accept {point['accept_length']} "
+                      f"plain-window steps {point['plain_window_steps']}", flush=True)
+            write()
+
+
+def summarize(results: dict) -> dict:
+    """Per config and concurrency: median tok/s and the median of per-round ratios to plain at the same
+    temperature (plain-t1 for T = 1 configs) and to plain greedy."""
+    table = {}
+    for name, by_c in results.items():
+        temp = CONFIGS[name][1]
+        ref = "plain-t1" if temp and "plain-t1" in results else "plain"
+        for c, points in by_c.items():
+            row = dict(tok_s=round(statistics.median(p["tok_s"] for p in points), 1))
+            acc = [p["accept_length"] for p in points if p["accept_length"]]
+            row["accept_length"] = round(statistics.median(acc), 3) if acc else None
+            for key, base in (("vs_plain", ref), ("vs_plain_greedy", "plain")):
+                bp = results.get(base, {}).get(c, [])
+                ratios = [p["tok_s"] / q["tok_s"] for p, q in zip(points, bp)]
+                row[key] = round(statistics.median(ratios), 3) if ratios else None
+            table.setdefault(name, {})[c] = row
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--batch-tokens", type=int, default=128, help="tokens per request at concurrency > 1")
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--shape", default=None, help="llama8b: also the 8B shape, random weights + random head")
+    ap.add_argument("--skip-smollm2", action="store_true", help="only the --shape part")
+    ap.add_argument("--shape-rounds", type=int, default=5)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--kv-bytes", type=int, default=2 << 30, help="KV pool per engine")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    import torch
+
+    from tercel import LLM
+    from tercel.train.data import EVAL_CHAT_PROMPTS, EVAL_CODE_PROMPTS
+
+    res = dict(benchmark="spec_rounds", environment=environment(), command=" ".join(["python"] + sys.argv),
+               method=f"all configurations loaded in one process; {args.rounds} interleaved rounds (the order rotates "
+                      "each round); a ratio is taken within a round and the median over rounds reported",
+               copy_bandwidth_bytes_per_s=copy_bandwidth(args.device), results={}, shape_results={})
+    out = Path(args.out)
+
+    def write() -> None:
+        res["summary"] = summarize(res["results"])
+        if res["shape_results"]:
+            res["shape_summary"] = summarize(res["shape_results"])
+        out.write_text(json.dumps(res, indent=1))
+
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    if args.skip_smollm2:
+        shape_bench(args, res, write)
+        write()
+        return
+    base = LLM(args.model, dtype=dtype, device=args.device, max_model_len=2048, kv_cache_memory=args.kv_bytes,
+               progress=False)
+    texts = EVAL_CHAT_PROMPTS[:4] + EVAL_CODE_PROMPTS[:4]
+    convs = [[{"role": "user", "content": t}] for t in texts]
+    cs = [int(x) for x in args.concurrency.split(",")]
+    convs_by_c = {c: (convs if c == 1 else [convs[i % len(convs)] for i in range(c)]) for c in cs}
+    tokens_by_c = {c: args.tokens if c == 1 else args.batch_tokens for c in cs}
+    names = [n for n in args.configs.split(",") if n]
+    res["prompts"] = f"{len(texts)} held-out prompts (EVAL_CHAT_PROMPTS[:4] + EVAL_CODE_PROMPTS[:4]), chat template"
+    # graphs captured at the measured batch sizes only (each engine captures every step kind per bucket)
+    llms = build(base, names, dict(kv_cache_memory=args.kv_bytes, cuda_graph_bs=sorted(set(cs))), args.device)
+    for name, llm in llms.items():  # warm-up: captures, cost-model measurements, allocator
+        run_point(llm, convs_by_c[cs[0]][:2], cs[0], 32, CONFIGS[name][1])
+    rounds(llms, convs_by_c, args.rounds, tokens_by_c, res["results"], write)
+    write()
+    print(json.dumps(res["summary"], indent=1), flush=True)
+    del llms, base
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+    if args.shape == "llama8b":
+        shape_bench(args, res, write)
+    write()
+
+
+def shape_bench(args, res: dict, write) -> None:
+    """Llama-3.1-8B shape, random weights, a random one-layer EAGLE-3 head (every draft rejected)."""
+    import tempfile
+
+    import torch
+
+    from tercel import LLM
+    from tercel.bench.shapes import random_loaded
+    from tercel.train.export import random_eagle3
+
+    loaded = random_loaded("llama8b", 2048, torch.bfloat16, "cuda")
+    head = random_eagle3(Path(tempfile.mkdtemp()) / "e3", loaded.config, draft_vocab_size=32000)
+    kw = dict(loaded=loaded, dtype=torch.bfloat16, device="cuda", progress=False, skip_tokenizer_init=True,
+              kv_cache_memory=8 << 30, cuda_graph_bs=[1], max_model_len=2048)
+    spec = dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1, speculative_draft_model_path=str(head))
+    llms = {"plain": LLM(**kw), "eagle3-chain": LLM(**kw, **spec, speculative_adaptive="off"),
+            "eagle3-chain-adaptive": LLM(**kw, **spec)}
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1000, 100000, (64,), generator=g).tolist() for _ in range(2)]
+    from tercel import SamplingParams
+
+    params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+    for llm in llms.values():
+        llm.generate(prompts[:1], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    for r in range(args.shape_rounds):
+        for name, llm in llms.items():
+            before = _spec_counts(llm)
+            _sync()
+            t0 = time.perf_counter()
+            n = sum(len(llm.generate([p], params)[0].outputs[0].token_ids) for p in prompts)
+            _sync()
+            wall = time.perf_counter() - t0
+            steps, acc, plain_w = (a - b for a, b in zip(_spec_counts(llm), before))
+            point = dict(tok_s=n / wall, tokens=n, wall_s=wall, verify_steps=steps, plain_window_steps=plain_w,
+                         accept_length=(acc + steps) / steps if steps else None)
+            res["shape_results"].setdefault(name, {}).setdefault("1", []).append(point)
+            print(f"8B round {r} {name}: {point['tok_s']:.1f} tok/s plain-window steps {plain_w}", flush=True)
+        write()
+
+
+if __name__ == "__main__":
+    main()

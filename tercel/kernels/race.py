@@ -1,0 +1,87 @@
+"""The exponential race argmax_v p_v / E_v (a draw from p) with the noise made inside the kernel (Triton).
+
+E_v is the counter-based Exp(1) noise of tercel.sampling.draw_noise: splitmix64 started at the row's key,
+output v + 1, turned into a 53-bit uniform u and E = -log(u) in double, rounded to float. torch builds that
+noise with ~15 elementwise int64 launches over [B, V] before the division and the argmax; here one launch
+per (row, slice) hashes, divides and reduces, and a second picks each row's winning slice. Ties go to the
+first index, as torch.argmax.
+
+With `ids` (sorted-domain sampling: the row's candidates in another order), position j draws token
+ids[j]'s noise and the winner's id is returned.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+@triton.jit
+def _mix64(x, M1, M2):
+    x = (x ^ (x >> 30)) * M1
+    x = (x ^ (x >> 27)) * M2
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def _race_slices_kernel(P, IDS, KEYS, PV, PI, stride_p, stride_ids, n_cols, num_slices, GOLDEN, M1, M2,
+                        HAS_IDS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    offs = s * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n_cols
+    p = tl.load(P + row * stride_p + offs, mask=inside, other=0.0).to(tl.float32)
+    if HAS_IDS:
+        tok = tl.load(IDS + row * stride_ids + offs, mask=inside, other=0).to(tl.uint64)
+    else:
+        tok = offs.to(tl.uint64)
+    key = tl.load(KEYS + row).to(tl.uint64)
+    bits = _mix64(key + (tok + 1) * GOLDEN, M1, M2)
+    u = ((bits >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2 ** -53
+    e = (-tl.log(u)).to(tl.float32)
+    score = tl.math.div_rn(p, e)
+    score = tl.where(inside, score, float("-inf"))
+    m = tl.max(score, 0)
+    i = tl.argmax(score, 0, tie_break_left=True)
+    tl.store(PV + row * num_slices + s, m)
+    tl.store(PI + row * num_slices + s, s * BLOCK + i)
+
+
+@triton.jit
+def _race_pick_kernel(PV, PI, IDS, OUT, stride_ids, num_slices, HAS_IDS: tl.constexpr, SLICES_PAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, SLICES_PAD)
+    v = tl.load(PV + row * num_slices + s, mask=s < num_slices, other=float("-inf"))
+    j = tl.argmax(v, 0, tie_break_left=True)
+    col = tl.load(PI + row * num_slices + j).to(tl.int64)
+    if HAS_IDS:
+        col = tl.load(IDS + row * stride_ids + col).to(tl.int64)
+    tl.store(OUT + row, col)
+
+
+def race_rows(probs: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """probs [N, V] (any float dtype, last dim contiguous), keys [N] int64 stream keys, ids [N, V] int64 or None
+    -> int64 [N]: argmax_v probs / draw_noise(keys)[v] (the noise of token ids[n, v] when ids is given)."""
+    if probs.dim() != 2 or probs.stride(-1) != 1:
+        raise ValueError(f"race_rows needs a [N, V] tensor with a contiguous last dim, got {tuple(probs.shape)}.")
+    n, v = probs.shape
+    out = torch.empty(n, dtype=torch.long, device=probs.device)
+    if n == 0:
+        return out
+    slices = triton.cdiv(v, BLOCK)
+    pv = torch.empty((n, slices), dtype=torch.float32, device=probs.device)
+    pi = torch.empty((n, slices), dtype=torch.int32, device=probs.device)
+    keys = keys.to(torch.int64).contiguous()
+    has_ids = ids is not None
+    ids_t = ids if has_ids else keys
+    stride_ids = ids.stride(0) if has_ids else 0
+    _race_slices_kernel[(n, slices)](probs, ids_t, keys, pv, pi, probs.stride(0), stride_ids, v, slices,
+                                     _GOLDEN, _MIX1, _MIX2, HAS_IDS=has_ids, BLOCK=BLOCK, num_warps=8)
+    _race_pick_kernel[(n,)](pv, pi, ids_t, out, stride_ids, slices, HAS_IDS=has_ids,
+                            SLICES_PAD=max(2, triton.next_power_of_2(slices)), num_warps=1)
+    return out
