@@ -83,10 +83,15 @@ def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
 
 def build(base, names: list[str], extra: dict, device: str) -> dict:
     from tercel import LLM
+    from tercel.speculative import DEFAULT_DFLASH_DRAFT, DEFAULT_EAGLE3_DRAFT
 
     out = {}
     for name in names:
         kw, _ = CONFIGS[name]
+        algo = kw.get("speculative_algorithm")
+        if algo in ("EAGLE3", "DFLASH", "DDTREE"):  # the bundled drafts, named (the GGUF may not be the default's)
+            kw = dict(kw, speculative_draft_model_path=str(DEFAULT_EAGLE3_DRAFT if algo == "EAGLE3"
+                                                           else DEFAULT_DFLASH_DRAFT))
         t = time.perf_counter()
         out[name] = LLM(loaded=base.engine.loaded, dtype=base.engine.dtype, device=device, progress=False,
                         max_model_len=base.engine.config.max_model_len, **extra, **kw)
@@ -201,7 +206,7 @@ def shape_bench(args, res: dict, write) -> None:
     from tercel.bench.shapes import random_loaded
     from tercel.train.export import random_eagle3
 
-    loaded = random_loaded("llama8b", 2048, torch.bfloat16, "cuda")
+    loaded = random_loaded("llama-3.1-8b", 2048, torch.bfloat16, "cuda")
     head = random_eagle3(Path(tempfile.mkdtemp()) / "e3", loaded.config, draft_vocab_size=32000)
     kw = dict(loaded=loaded, dtype=torch.bfloat16, device="cuda", progress=False, skip_tokenizer_init=True,
               kv_cache_memory=8 << 30, cuda_graph_bs=[1], max_model_len=2048)
