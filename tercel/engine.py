@@ -241,7 +241,7 @@ class LLMEngine:
                 from .kernels import triton_enabled
 
                 if triton_enabled():
-                    from .kernels.gemv_tune import tune_model
+                    from .models.gemv_tuning import tune_model
 
                     try:
                         self.gemv_choices = self.model.gemv_choices = tune_model(self.model)
