@@ -20,7 +20,8 @@ import torch
 
 from ..forward_batch import CaptureHiddenMode
 from ..kv import PagedKVCache, slot_of
-from ..models.dflash import DFlashDraftModel, load_dflash
+from ..loader.drafts import load_dflash
+from ..models.dflash import DFlashDraftModel
 from ..request import Request
 from ..sampling import ahead_keys, draw_noise, filter_logits, race
 from .drafter import Drafter, ExtendedChunk

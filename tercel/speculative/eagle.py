@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from ..forward_batch import CaptureHiddenMode
 from ..graphs.runner import CudaGraphRunner, GraphConfig
 from ..kv import PagedKVCache, slot_of
+from ..loader.drafts import load_eagle_draft
 from ..loader.model_loader import draft_dtype
-from ..models.eagle3 import EagleDraftModel, load_eagle_draft
+from ..models.eagle3 import EagleDraftModel
 from ..request import Request
 from ..sampling import ahead_keys, draw_noise, filter_logits, race
 from .batching import blocks_covering, padded_tables
