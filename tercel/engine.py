@@ -37,7 +37,7 @@ import torch
 from .config import ConfigError, EngineConfig, ModelLoadConfig
 from .detokenizer import update_text
 from .forward_batch import ForwardBatch, ModelOutput
-from .kv import KVCacheSpec, PagedKVCache, blocks_for_budget, slot_of
+from .kv import KVCacheSpec, PagedKVCache, num_kv_blocks, slot_of
 from .loader.model_loader import Checkpoint, DtypeChoice, LoadedModel, load_model, read_checkpoint, resolve_dtype
 from .loader.tokenizer import Tokenizer
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -48,7 +48,6 @@ from .scheduler import ScheduledRequest, Scheduler
 
 log = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_BYTES = 1 << 30
 SPEC_GRAPH_MAX_BS = 64  # largest batch whose speculative steps are captured (larger ones run eagerly)
 
 
@@ -94,20 +93,6 @@ def engine_config(model: "str | Path | EngineConfig | None", config: EngineConfi
         raise ConfigError(f"pass either an EngineConfig or a model and keyword settings, not both (got "
                           f"{'model, ' if model is not None else ''}{', '.join(settings)} with the config).")
     return copy.deepcopy(config)  # the engine fills in resolved values (max_model_len, AUTO speculation)
-
-
-def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
-    """KV blocks for this process: num_kv_blocks, else the byte budget (GPU: a share of free memory)."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    budget = config.kv_cache_memory
-    if budget is None:
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * config.gpu_memory_utilization)
-        else:
-            budget = CPU_DEFAULT_KV_BYTES
-    return blocks_for_budget(spec, budget)
 
 
 @dataclass(slots=True)
