@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,10 +29,8 @@ from ..request import Request
 from .adaptive import candidate_widths
 from .batching import padded_tables
 from .chain import ChainBatch, ChainOutputs
+from .host import ChainHost
 from .verify import context_free
-
-if TYPE_CHECKING:
-    from .worker import SpecWorker
 
 
 @dataclass(slots=True)
@@ -46,7 +43,7 @@ class InflightChain:
 
 
 class ChainLoop:
-    def __init__(self, worker: "SpecWorker", runner: CudaGraphRunner) -> None:
+    def __init__(self, worker: ChainHost, runner: CudaGraphRunner) -> None:
         self.worker = worker
         self.engine = worker.engine
         self.runner = runner

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,11 +24,9 @@ from ..models.dflash import DFlashDraftModel
 from ..request import Request
 from ..sampling import ahead_keys, draw_noise, filter_logits, race
 from .drafter import Drafter, ExtendedChunk
+from .host import SpecEngine
 from .tree import DraftTree
 from .verify import Accepted
-
-if TYPE_CHECKING:
-    from ..engine import LLMEngine
 
 
 @dataclass(slots=True)
@@ -71,7 +68,7 @@ def build_ddtree(logprobs: torch.Tensor, tokens: torch.Tensor, root: int, budget
 class DFlashDrafter(Drafter):
     capture_hidden_mode = CaptureHiddenMode.FULL
 
-    def __init__(self, engine: "LLMEngine", draft: DFlashDraftModel, block_size: int,
+    def __init__(self, engine: SpecEngine, draft: DFlashDraftModel, block_size: int,
                  tree_budget: int | None, tree_topk: int = 4) -> None:
         self.engine = engine
         self.draft = draft
@@ -86,7 +83,7 @@ class DFlashDrafter(Drafter):
                                   engine.device)
 
     @classmethod
-    def load(cls, engine: "LLMEngine", path, block_size: int | None, tree_budget: int | None) -> "DFlashDrafter":
+    def load(cls, engine: SpecEngine, path, block_size: int | None, tree_budget: int | None) -> "DFlashDrafter":
         draft = load_dflash(path, engine.model_config, engine.dtype, engine.device, engine.config.max_model_len
                             + (block_size or 64))
         size = block_size or draft.config.block_size

@@ -34,12 +34,12 @@ from ..sampling import ahead_keys, draw_noise, filter_logits, race
 from .batching import blocks_covering, padded_tables
 from .drafter import DeviceChains, Drafter, ExtendedChunk
 from .eagle_steps import DraftExtendBatch, DraftLoopBatch, EagleDraftLoopStep, EagleExtendStep
+from .host import SpecEngine
 from .tree import DraftTree, select_tree_nodes
 from .verify import Accepted
 
 if TYPE_CHECKING:
-    from ..engine import LLMEngine
-    from . import SpecConfig
+    from .config import SpecConfig
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class _PrefixAttention:
 class EagleDrafter(Drafter):
     capture_hidden_mode = CaptureHiddenMode.FULL
 
-    def __init__(self, engine: "LLMEngine", model: EagleDraftModel, num_steps: int, topk: int,
+    def __init__(self, engine: SpecEngine, model: EagleDraftModel, num_steps: int, topk: int,
                  num_draft_tokens: int, token_map: Path | None = None) -> None:
         self.engine = engine
         self.model = model
@@ -132,7 +132,7 @@ class EagleDrafter(Drafter):
         self.extend_runner: CudaGraphRunner | None = None
 
     @classmethod
-    def load(cls, engine: "LLMEngine", cfg: "SpecConfig") -> "EagleDrafter":
+    def load(cls, engine: SpecEngine, cfg: "SpecConfig") -> "EagleDrafter":
         model = load_eagle_draft(cfg.draft_model_path, engine.model_config, draft_dtype(engine.dtype, engine.device),
                                  engine.device, engine.config.max_model_len)
         want = "eagle3" if cfg.algorithm == "EAGLE3" else "eagle"
