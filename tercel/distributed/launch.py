@@ -19,12 +19,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..config import ConfigError, EngineConfig
+from ..dev_overrides import env
 from .comm import Op, send_op
 from .parallel_state import TPGroup
 
 log = logging.getLogger(__name__)
 
-INIT_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("TERCEL_TP_INIT_TIMEOUT", "300")))
+INIT_TIMEOUT = datetime.timedelta(seconds=int(env("TERCEL_TP_INIT_TIMEOUT")))
 JOIN_TIMEOUT_S = 30.0
 # NVLink multicast (NVLS / symmetric-memory multicast) stays off: it is not available on every
 # machine these ranks run on, and NCCL's ring / tree all-reduce needs nothing from it

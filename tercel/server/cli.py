@@ -10,11 +10,11 @@ import argparse
 import asyncio
 import functools
 import logging
-import os
 import signal
 import sys
 
 from ..cli_args import CliParser, add_engine_options, engine_config_from_args, fail
+from ..dev_overrides import env
 from ..options import parse_size
 
 log = logging.getLogger("tercel.server")
@@ -171,7 +171,7 @@ def run_serve(args: argparse.Namespace) -> int:
     limits = ConnectionLimits(max_connections=max_connections, header_timeout_s=args.header_timeout,
                               body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout)
 
-    api_key = args.api_key or os.environ.get("TERCEL_API_KEY") or None
+    api_key = args.api_key or env("TERCEL_API_KEY") or None
     try:
         engine = engine_module.LLMEngine(config)
         if engine.tokenizer is None:

@@ -13,12 +13,12 @@ KV bookkeeping for one request whose root (last sampled token) sits at position 
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..dev_overrides import env
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from ..graphs.runner import CudaGraphRunner, GraphConfig
 from ..graphs.steps import ModelStep
@@ -161,7 +161,7 @@ class SpecWorker:
             self.verify_runner = self.verify_runners[self.num_draft_tokens]
             self.drafter.init_graphs(config, max_blocks)
             # TERCEL_SPEC_CHAIN=0: separate draft / verify / extend graphs only (side-by-side measurements)
-            chain_step = (self.drafter.chain_step(max_blocks) if os.environ.get("TERCEL_SPEC_CHAIN", "1") != "0"
+            chain_step = (self.drafter.chain_step(max_blocks) if env("TERCEL_SPEC_CHAIN") != "0"
                           else None)
             if chain_step is not None:
                 from .chain_loop import ChainLoop
