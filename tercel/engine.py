@@ -157,6 +157,7 @@ class LLMEngine:
         if choice.note is not None:
             log.info("%s", choice.note)
         self.rng = torch.Generator().manual_seed(sched.seed)
+        self._closed = False  # shutdown() ran: the engine holds nothing and takes no requests
         self.tp_group = None  # tensor parallelism (tercel.distributed): the ranks' group; None: one process
         self._draft_target = None
         if config.parallel.tp_size > 1:
@@ -310,11 +311,49 @@ class LLMEngine:
                                                      self.device)
         return self._draft_target
 
+    def shutdown(self) -> None:
+        """Give back everything the engine holds: requests, the speculative worker (draft model, its graphs
+        and buffers), the CUDA graphs, the pinned staging buffers, the KV pool and the model's weights (the
+        engine's reference: weights passed in as `loaded=` stay with their owner), and stop the
+        tensor-parallel ranks. On a GPU the freed blocks go back to the driver (empty_cache), so another
+        engine in this process finds the memory free. Idempotent; the engine takes no requests afterwards.
+        Deleting the engine (or its LLM) frees the same without a call: nothing outside it refers back to it."""
+        if self._closed:
+            return
+        with self._lock:
+            self._closed = True
+            if self._inflight is not None and self._inflight.ready is not None:
+                self._inflight.ready.synchronize()  # the last window's kernels finish before their buffers go
+            self._inflight = None
+            self.requests.clear()
+            if self.tp_group is not None:
+                self._tp_finalizer()
+            self.spec = None
+            self.graph_runner = None
+            self._stager = None
+            self._download_stream = None
+            self._draft_target = None
+            self.kv = None
+            self.scheduler = None
+            self.sampler = None
+            self.model = None
+            self.loaded = None
+            self.gemv_choices = None
+        if self.device.type == "cuda":
+            import gc
+
+            gc.collect()  # tensors held in reference cycles elsewhere (a caller's outputs do not hold any)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
     def close(self) -> None:
-        """Stop the tensor-parallel ranks (a no-op with one process; also done when the engine is collected
-        or the process exits)."""
-        if self.tp_group is not None:
-            self._tp_finalizer()
+        """shutdown() under vLLM-style and file-like names alike."""
+        self.shutdown()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine was shut down (shutdown() / close() / the end of a `with` block); "
+                               "create a new LLM or LLMEngine.")
 
     def _dtype_choice(self, m: ModelLoadConfig, loaded: LoadedModel | None, ckpt: Checkpoint | None) -> DtypeChoice:
         """m.dtype resolved; "auto" on the CPU reads the checkpoint's header (ckpt, not its weights) to see
@@ -328,6 +367,7 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
+        self._check_open()
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -390,6 +430,7 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        self._check_open()
         with self._lock:
             if self._inflight is not None:
                 outputs = self._advance_inflight()

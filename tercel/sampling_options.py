@@ -9,7 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .options import Option, any_int, boolean, option, parse_float, parse_int, positive_int
+from .options import Option, any_int, boolean, option, parse_float, parse_int
+
+
+def _at_least_one(v: object, spell: Any) -> str | None:
+    return None if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else "must be an integer >= 1"
+
 
 CLI_TEMPERATURE = 0.0  # the command lines decode greedily by default (SamplingParams: 1.0)
 
@@ -18,7 +23,7 @@ CLI_TEMPERATURE = 0.0  # the command lines decode greedily by default (SamplingP
 class SamplingOptions:
     """sampling: each request's SamplingParams"""
 
-    max_tokens: int = option(128, "most new tokens (default 128)", parse=parse_int, check=positive_int())
+    max_tokens: int = option(128, "most new tokens (default 128)", parse=parse_int, check=_at_least_one)
     temperature: float = option(CLI_TEMPERATURE, "0 = greedy (default 0)", parse=parse_float)
     top_p: float = option(1.0, "nucleus sampling: smallest token set with this probability mass, in (0, 1] "
                                "(default 1: off)", parse=parse_float)

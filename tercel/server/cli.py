@@ -185,7 +185,7 @@ def run_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or engine.loaded.path.name, model_path=str(engine.loaded.path),
         api_key=api_key, max_queue_size=args.max_queue_size, max_body_bytes=args.max_body_bytes,
         max_n=args.max_n, max_request_fanout=args.max_request_fanout, shutdown_timeout_s=args.shutdown_timeout)
-    app = build_app(engine, settings)
+    app = build_app(engine, settings, owns_engine=True)
     server_state = app.state.server
     guard = ConnectionGuard(limits, server_state.metrics)
 

@@ -19,6 +19,7 @@ again: when it no longer picks the full width, the chain ends and the worker's a
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +45,7 @@ class InflightChain:
 
 class ChainLoop:
     def __init__(self, worker: ChainHost, runner: CudaGraphRunner) -> None:
-        self.worker = worker
+        self.worker = weakref.proxy(worker)  # the worker owns this loop: no reference cycle back to it
         self.engine = worker.engine
         self.runner = runner
         self.width = worker.num_draft_tokens

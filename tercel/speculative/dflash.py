@@ -13,6 +13,7 @@ choice, so verify treats each as q = one-hot (recursive rejection over siblings)
 from __future__ import annotations
 
 import heapq
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +71,7 @@ class DFlashDrafter(Drafter):
 
     def __init__(self, engine: SpecEngine, draft: DFlashDraftModel, block_size: int,
                  tree_budget: int | None, tree_topk: int = 4) -> None:
-        self.engine = engine
+        self.engine = weakref.proxy(engine)  # the engine owns the drafter: no reference cycle back to it
         self.draft = draft
         self.block_size = block_size
         self.tree_budget = tree_budget  # None: chain (DFLASH)

@@ -16,6 +16,7 @@ ancestor mask. At the end the num_draft_tokens - 1 best candidates (plus the roo
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -100,7 +101,7 @@ class EagleDrafter(Drafter):
 
     def __init__(self, engine: SpecEngine, model: EagleDraftModel, num_steps: int, topk: int,
                  num_draft_tokens: int, token_map: Path | None = None) -> None:
-        self.engine = engine
+        self.engine = weakref.proxy(engine)  # the engine owns the drafter: no reference cycle back to it
         self.model = model
         self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
         self.aux_layer_ids = model.config.aux_layer_ids

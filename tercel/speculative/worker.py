@@ -14,6 +14,7 @@ KV bookkeeping for one request whose root (last sampled token) sits at position 
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 
 class SpecWorker:
     def __init__(self, engine: SpecEngine, drafter: Drafter, num_draft_tokens: int, adaptive: bool = False) -> None:
-        self.engine = engine
+        self.engine = weakref.proxy(engine)  # the engine owns the worker: no reference cycle back to it
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens  # nodes per tree, root included
         self.stats = SpecStats()
