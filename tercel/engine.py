@@ -22,6 +22,7 @@ Outputs are those of one step per sync, one step later.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import logging
@@ -318,32 +319,26 @@ class LLMEngine:
         tensor-parallel ranks. On a GPU the freed blocks go back to the driver (empty_cache), so another
         engine in this process finds the memory free. Idempotent; the engine takes no requests afterwards.
         Deleting the engine (or its LLM) frees the same without a call: nothing outside it refers back to it."""
-        if self._closed:
+        if getattr(self, "_closed", False):
             return
-        with self._lock:
+        # also called from a failed __init__ (tensor-parallel start), with only part of the engine built
+        with getattr(self, "_lock", None) or contextlib.nullcontext():
             self._closed = True
-            if self._inflight is not None and self._inflight.ready is not None:
-                self._inflight.ready.synchronize()  # the last window's kernels finish before their buffers go
-            self._inflight = None
-            self.requests.clear()
-            if self.tp_group is not None:
+            inflight = getattr(self, "_inflight", None)
+            if inflight is not None and inflight.ready is not None:
+                inflight.ready.synchronize()  # the last window's kernels finish before their buffers go
+            if getattr(self, "tp_group", None) is not None:
                 self._tp_finalizer()
-            self.spec = None
-            self.graph_runner = None
-            self._stager = None
-            self._download_stream = None
-            self._draft_target = None
-            self.kv = None
-            self.scheduler = None
-            self.sampler = None
-            self.model = None
-            self.loaded = None
-            self.gemv_choices = None
-        if self.device.type == "cuda":
+            for name in ("_inflight", "spec", "graph_runner", "_stager", "_download_stream", "_draft_target", "kv",
+                         "scheduler", "sampler", "model", "loaded", "gemv_choices"):
+                setattr(self, name, None)
+            self.requests = {}
+        device = getattr(self, "device", None)
+        if device is not None and device.type == "cuda":
             import gc
 
             gc.collect()  # tensors held in reference cycles elsewhere (a caller's outputs do not hold any)
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
 
     def close(self) -> None:
