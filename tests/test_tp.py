@@ -200,7 +200,8 @@ def test_a_spawned_rank_failing_at_import_stops_the_start_with_its_error_and_the
     assert seconds < 30, proc.stderr[-4000:]
     err = proc.stderr
     assert "RankStartError: tensor-parallel rank 1" in err, err[-4000:]
-    assert "exited with code 1 before it joined rank 0: RuntimeError:" in err  # the rank's own exception
+    # the rank's own exception, its message included
+    assert "exited with code 1 before it joined rank 0: RuntimeError: An attempt has been made to start" in err
     assert 'if __name__ == "__main__":' in err and "torchrun" in err and str(script) in err
 
 

@@ -168,15 +168,33 @@ def _wait_for_ranks(store: dist.TCPStore, procs: list, logs: list[IO[bytes]]) ->
         time.sleep(0.05)
 
 
+def _last_exception(lines: list[str]) -> str | None:
+    """`Type: message` of the last exception in a traceback's lines; a message that starts on the next
+    lines (RuntimeError's multi-line texts) is joined up to its first blank line."""
+    i = next((i for i in range(len(lines) - 1, -1, -1) if lines[i] and not lines[i].startswith((" ", "\t"))), None)
+    if i is None:
+        return None
+    head, _, first = lines[i].partition(":")
+    words = [first.strip()] if first.strip() else []
+    if not words:
+        rest = [ln.strip() for ln in lines[i + 1:]]
+        rest = rest[next((j for j, ln in enumerate(rest) if ln), len(rest)):]  # skip the blank lines first
+        for ln in rest:
+            if not ln:
+                break
+            words.append(ln)
+    return f"{head}: {' '.join(words)}" if words else head
+
+
 def _start_failure(rank: int, exitcode: int, err: IO[bytes]) -> str:
     """The message for a spawned rank that died before joining: its exception, its traceback's tail and,
     when it died re-running the user's script, the `if __name__ == "__main__":` fix."""
     err.seek(0)
     text = err.read().decode(errors="replace").strip()
     lines = text.splitlines()
-    exc = next((ln for ln in reversed(lines) if ln and not ln.startswith((" ", "\t"))), None)
+    exc = _last_exception(lines)
     msg = (f"tensor-parallel rank {rank} (a process Tercel spawned) exited with code {exitcode} before it joined "
-           f"rank 0: {exc or 'it printed no error'}.")
+           f"rank 0: {(exc or 'it printed no error').rstrip('.')}.")
     main = sys.modules.get("__main__")
     script = getattr(main, "__file__", None)
     reimported = "_fixup_main_from_path" in text or "bootstrapping phase" in text or "__mp_main__" in text
