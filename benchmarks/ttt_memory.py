@@ -24,7 +24,7 @@ def build(device: str, tmp: str):
     import transformers
 
     from tercel import LLM
-    from tercel.models.eagle3 import load_eagle_draft
+    from tercel.loader.drafts import load_eagle_draft
     from tercel.train.export import random_eagle3
 
     cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

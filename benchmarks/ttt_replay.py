@@ -81,7 +81,7 @@ def main() -> None:
     args = ap.parse_args()
     from tercel import LLM, SamplingParams
     from tercel.engine import LLMEngine
-    from tercel.models.eagle3 import load_eagle_draft
+    from tercel.loader.drafts import load_eagle_draft
     from tercel.speculative import DEFAULT_EAGLE3_DRAFT
     from tercel.train.data import EVAL_CHAT_PROMPTS, EVAL_CODE_PROMPTS
 

@@ -225,7 +225,7 @@ def probe_shape(shape: str, args) -> dict:
     print(f"[{shape}] built in {time.perf_counter() - t0:.1f} s", flush=True)
     t0 = time.perf_counter()
     if dev == "cuda":
-        from tercel.kernels.gemv_tune import tune_model
+        from tercel.models.gemv_tuning import tune_model
 
         choices = tune_model(model)
         res["tuning_s"] = round(time.perf_counter() - t0, 1)

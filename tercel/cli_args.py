@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from .config import ConfigError, EngineConfig, Setting, settings
-from .options import cli_spelling, parse_float, parse_int, parse_int_list, parse_size
+from .options import Option, cli_spelling, parse_float, parse_int, parse_int_list, parse_size
+from .sampling_options import params_kwargs, sampling_options
 
 _METAVARS: dict[Any, str] = {parse_int: "N", parse_float: "X", parse_int_list: "N[,N...]", parse_size: "SIZE"}
 
@@ -35,8 +36,12 @@ def flag(s: Setting) -> str:
 
 
 def _value_parser(s: Setting) -> Callable[[str], Any]:
+    return _checked_parser(s.kwarg, s.option)
+
+
+def _checked_parser(name: str, o: Option) -> Callable[[str], Any]:
     """Text -> value, checked: argparse reports a failure as `--flag TEXT: problem`."""
-    parse, check = s.option.parse, s.option.check
+    parse, check = o.parse, o.check
     assert parse is not None
 
     def convert(text: str) -> Any:
@@ -46,18 +51,19 @@ def _value_parser(s: Setting) -> Callable[[str], Any]:
             raise argparse.ArgumentTypeError(f"{text}: {problem.removeprefix('but ')}")
         return value
 
-    convert.__name__ = s.kwarg  # argparse names the type in some messages
+    convert.__name__ = name  # argparse names the type in some messages
     return convert
 
 
 def add_engine_options(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None,
                        exclude: tuple[str, ...] = ()) -> None:
     """One flag per command-line setting of the tree, grouped by section; `defaults` overrides a
-    setting's default for this command (by keyword name); `exclude`: sections the command sets its own way."""
+    setting's default for this command (by keyword name); `exclude`: sections, or single settings by keyword
+    name, that the command sets its own way."""
     defaults = defaults or {}
     groups: dict[str, argparse._ArgumentGroup] = {}
     for s in settings(EngineConfig):
-        if not s.option.cli or s.section in exclude:
+        if not s.option.cli or s.section in exclude or s.kwarg in exclude:
             continue
         if s.section not in groups:
             section_doc = type(getattr(EngineConfig(), s.section)).__doc__ or s.section
@@ -71,6 +77,54 @@ def add_engine_options(parser: argparse.ArgumentParser, defaults: dict[str, Any]
             continue
         metavar = o.metavar or ("{" + ",".join(o.choices) + "}" if o.choices else _METAVARS.get(o.parse))
         g.add_argument(flag(s), dest=s.kwarg, type=_value_parser(s), default=default, metavar=metavar, help=o.help)
+
+
+def add_sampling_options(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None,
+                         exclude: tuple[str, ...] = ()) -> None:
+    """The sampling flags (tercel.sampling_options), one group; `defaults` overrides a flag's default for this
+    command, `exclude` leaves flags out that the command sets its own way (e.g. a sweep over output lengths)."""
+    defaults = defaults or {}
+    g = parser.add_argument_group("sampling: each request's SamplingParams")
+    for name, o, default in sampling_options():
+        if name in exclude:
+            continue
+        dest, text, help_ = name, "--" + name.replace("_", "-"), o.help
+        if name in defaults:
+            default = defaults[name]
+            help_ += f" (here the default is {'on' if default is True else 'off' if default is False else default})"
+        if o.parse is None:  # a switch: --NAME / --no-NAME
+            g.add_argument(text, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_)
+            continue
+        g.add_argument(text, dest=dest, type=_checked_parser(name, o), default=default,
+                       metavar=_METAVARS.get(o.parse), help=help_)
+
+
+def sampling_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags' values the command has, by SamplingParams keyword."""
+    return params_kwargs({name: getattr(args, name) for name, _, _ in sampling_options() if hasattr(args, name)})
+
+
+def sampling_params(args: argparse.Namespace, **fixed: Any):
+    """The request's SamplingParams from the flags (plus what the command fixes itself), or a one-line
+    ConfigError naming the flag (before anything loads)."""
+    from .sampling_params import SamplingParams
+
+    values = {**sampling_values(args), **fixed}
+    try:
+        return SamplingParams(**values)
+    except ValueError as e:
+        m = re.fullmatch(r"SamplingParams\.(\w+)=.*? is invalid: (.*?)\.?", str(e))
+        if m is None or m.group(1) not in values:
+            raise
+        name = "request_seed" if m.group(1) == "seed" else m.group(1)
+        raise ConfigError(f"--{name.replace('_', '-')} {values[m.group(1)]}: {m.group(2)}") from None
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine settings the flags give, by keyword name (speculative ones not resolved)."""
+    flags = {s.kwarg for s in settings(EngineConfig) if s.option.cli}  # not model, progress, ... (the caller's)
+    return {k: v for k, v in engine_config_from_args(args).to_kwargs().items()
+            if k in flags and not k.startswith("speculative_")}
 
 
 def engine_config_from_args(args: argparse.Namespace, **settings_: Any) -> EngineConfig:

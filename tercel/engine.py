@@ -22,6 +22,7 @@ Outputs are those of one step per sync, one step later.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import logging
@@ -37,7 +38,7 @@ import torch
 from .config import ConfigError, EngineConfig, ModelLoadConfig
 from .detokenizer import update_text
 from .forward_batch import ForwardBatch, ModelOutput
-from .kv import KVCacheSpec, PagedKVCache, blocks_for_budget, slot_of
+from .kv import KVCacheSpec, PagedKVCache, num_kv_blocks, slot_of
 from .loader.model_loader import Checkpoint, DtypeChoice, LoadedModel, load_model, read_checkpoint, resolve_dtype
 from .loader.tokenizer import Tokenizer
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -48,7 +49,6 @@ from .scheduler import ScheduledRequest, Scheduler
 
 log = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_BYTES = 1 << 30
 SPEC_GRAPH_MAX_BS = 64  # largest batch whose speculative steps are captured (larger ones run eagerly)
 _GREEDY_STANDIN = SamplingParams(temperature=1.0)  # greedy rows of a mixed sampled window draw, unused
 
@@ -98,20 +98,6 @@ def engine_config(model: "str | Path | EngineConfig | None", config: EngineConfi
         raise ConfigError(f"pass either an EngineConfig or a model and keyword settings, not both (got "
                           f"{'model, ' if model is not None else ''}{', '.join(settings)} with the config).")
     return copy.deepcopy(config)  # the engine fills in resolved values (max_model_len, AUTO speculation)
-
-
-def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
-    """KV blocks for this process: num_kv_blocks, else the byte budget (GPU: a share of free memory)."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    budget = config.kv_cache_memory
-    if budget is None:
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * config.gpu_memory_utilization)
-        else:
-            budget = CPU_DEFAULT_KV_BYTES
-    return blocks_for_budget(spec, budget)
 
 
 @dataclass(slots=True)
@@ -177,6 +163,7 @@ class LLMEngine:
         if choice.note is not None:
             log.info("%s", choice.note)
         self.rng = torch.Generator().manual_seed(sched.seed)
+        self._closed = False  # shutdown() ran: the engine holds nothing and takes no requests
         self.tp_group = None  # tensor parallelism (tercel.distributed): the ranks' group; None: one process
         self._draft_target = None
         if config.parallel.tp_size > 1:
@@ -246,7 +233,7 @@ class LLMEngine:
                 from .kernels import triton_enabled
 
                 if triton_enabled():
-                    from .kernels.gemv_tune import tune_model
+                    from .models.gemv_tuning import tune_model
 
                     try:
                         self.gemv_choices = self.model.gemv_choices = tune_model(self.model)
@@ -330,11 +317,43 @@ class LLMEngine:
                                                      self.device)
         return self._draft_target
 
+    def shutdown(self) -> None:
+        """Give back everything the engine holds: requests, the speculative worker (draft model, its graphs
+        and buffers), the CUDA graphs, the pinned staging buffers, the KV pool and the model's weights (the
+        engine's reference: weights passed in as `loaded=` stay with their owner), and stop the
+        tensor-parallel ranks. On a GPU the freed blocks go back to the driver (empty_cache), so another
+        engine in this process finds the memory free. Idempotent; the engine takes no requests afterwards.
+        Deleting the engine (or its LLM) frees the same without a call: nothing outside it refers back to it."""
+        if getattr(self, "_closed", False):
+            return
+        # also called from a failed __init__ (tensor-parallel start), with only part of the engine built
+        with getattr(self, "_lock", None) or contextlib.nullcontext():
+            self._closed = True
+            inflight = getattr(self, "_inflight", None)
+            if inflight is not None and inflight.ready is not None:
+                inflight.ready.synchronize()  # the last window's kernels finish before their buffers go
+            if getattr(self, "tp_group", None) is not None:
+                self._tp_finalizer()
+            for name in ("_inflight", "spec", "graph_runner", "_stager", "_download_stream", "_draft_target", "kv",
+                         "scheduler", "sampler", "model", "loaded", "gemv_choices"):
+                setattr(self, name, None)
+            self.requests = {}
+        device = getattr(self, "device", None)
+        if device is not None and device.type == "cuda":
+            import gc
+
+            gc.collect()  # tensors held in reference cycles elsewhere (a caller's outputs do not hold any)
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+
     def close(self) -> None:
-        """Stop the tensor-parallel ranks (a no-op with one process; also done when the engine is collected
-        or the process exits)."""
-        if self.tp_group is not None:
-            self._tp_finalizer()
+        """shutdown() under vLLM-style and file-like names alike."""
+        self.shutdown()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine was shut down (shutdown() / close() / the end of a `with` block); "
+                               "create a new LLM or LLMEngine.")
 
     def _dtype_choice(self, m: ModelLoadConfig, loaded: LoadedModel | None, ckpt: Checkpoint | None) -> DtypeChoice:
         """m.dtype resolved; "auto" on the CPU reads the checkpoint's header (ckpt, not its weights) to see
@@ -348,6 +367,7 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
+        self._check_open()
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -410,6 +430,7 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        self._check_open()
         with self._lock:
             if self._inflight is not None:
                 outputs = self._advance_inflight()

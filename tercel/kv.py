@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ConfigError, ModelConfig
+from .config import ConfigError, EngineConfig, ModelConfig
 
 DUMMY_BLOCK = 0
 
@@ -88,5 +88,22 @@ def slot_of(block_table: Sequence[int], pos: int, block_size: int) -> int:
     return block_table[pos // block_size] * block_size + pos % block_size
 
 
+CPU_DEFAULT_KV_BYTES = 1 << 30  # the KV byte budget on the CPU when none is given
+
+
 def blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
     return max(0, budget_bytes // spec.bytes_per_block)
+
+
+def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
+    """KV blocks for this process: num_kv_blocks, else the byte budget (GPU: a share of free memory)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    budget = config.kv_cache_memory
+    if budget is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * config.gpu_memory_utilization)
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+    return blocks_for_budget(spec, budget)

@@ -30,15 +30,21 @@ class LLM:
     def __init__(self, model: str | Path | EngineConfig | None = None, **engine_kwargs) -> None:
         self.engine = LLMEngine(model, **engine_kwargs)
 
+    def shutdown(self) -> None:
+        """Give back the engine's memory now (weights, KV pool, CUDA graphs, pinned buffers, draft model) and
+        stop its tensor-parallel ranks; `with LLM(...) as llm:` does it at the end of the block. `del llm`
+        frees the same once the last reference goes (no reference cycles hold the engine)."""
+        self.engine.shutdown()
+
     def close(self) -> None:
-        """Stop the tensor-parallel ranks now (tp_size > 1; they stop at exit anyway). `with LLM(...)` closes too."""
-        self.engine.close()
+        """The same as shutdown()."""
+        self.engine.shutdown()
 
     def __enter__(self) -> "LLM":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.shutdown()
 
     @property
     def tokenizer(self):

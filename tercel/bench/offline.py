@@ -13,13 +13,13 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from ..sampling_options import CLI_TEMPERATURE
 from .environment import copy_bandwidth, weight_bytes
-from .shapes import shape_by_name
+from .shapes import target_shape
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,9 @@ class OfflineConfig:
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
     output_lens: tuple[int, ...] = (128,)
     num_prompts: int = 20
-    temperature: float = 0.0
-    ignore_eos: bool = True
+    # SamplingParams keywords of every request (tercel.cli_args.sampling_values), but max_tokens: --output-len;
+    # a sampled run seeds request i with seed + i (0 + i without one), so it repeats exactly whatever the batch
+    sampling: dict = field(default_factory=lambda: {"temperature": CLI_TEMPERATURE, "ignore_eos": True}, hash=False)
     engine: dict = field(default_factory=dict, hash=False)  # LLMEngine keywords (tercel.cli.engine_kwargs)
     spec: SpecOptions = SpecOptions()
     token_id_path: bool = True
@@ -165,11 +166,6 @@ def timed_pass(llm, run: Callable[[], list], device: torch.device) -> PassResult
 
 
 # ---- the sweep --------------------------------------------------------------------------------------------
-def target_shape(model: str | None):
-    """The named shape when `model` names one (and no such path exists), else None."""
-    return shape_by_name(model) if model and not Path(model).exists() else None
-
-
 def load_target(cfg: OfflineConfig):
     """The model, loaded once for every algorithm's engine."""
     from ..engine import resolve_device
@@ -211,12 +207,13 @@ def _cycle(items: Sequence, n: int) -> list:
     return [items[i % len(items)] for i in range(n)]
 
 
-def _params(cfg: OfflineConfig, n: int, output_len: int, ignore_eos: bool) -> list:
+def _params(cfg: OfflineConfig, n: int, output_len: int) -> list:
     from ..sampling_params import SamplingParams
 
-    # per-request seeds: sampled runs repeat exactly, whatever the batch
-    return [SamplingParams(max_tokens=output_len, temperature=cfg.temperature, ignore_eos=ignore_eos,
-                           seed=i if cfg.temperature > 0 else None) for i in range(n)]
+    kw = dict(cfg.sampling)
+    sampled = kw.get("temperature", CLI_TEMPERATURE) > 0
+    base = kw.pop("seed", None) or 0
+    return [SamplingParams(max_tokens=output_len, seed=base + i if sampled else None, **kw) for i in range(n)]
 
 
 def _free(device: torch.device) -> None:
@@ -292,7 +289,7 @@ def measure_point(cfg: OfflineConfig, llm, algo: str, c: int, n_out: int, profil
     api_prompts, id_prompts = prompts
     device = llm.engine.device
     chat = isinstance(api_prompts[0], list) and isinstance(api_prompts[0][0], dict)
-    batch, params = _cycle(api_prompts, c), _params(cfg, c, n_out, cfg.ignore_eos)
+    batch, params = _cycle(api_prompts, c), _params(cfg, c, n_out)
     run = (lambda: llm.chat(batch, params)) if chat else (lambda: llm.generate(batch, params))
     first = timed_pass(llm, run, device)
     point = Point(algo, c, n_out, first, timed_pass(llm, run, device))

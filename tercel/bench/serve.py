@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..sampling_options import CLI_TEMPERATURE
 from .report import percentile
 
 Messages = list[dict[str, str]]
@@ -22,7 +23,7 @@ class ServeConfig:
     request_rates: tuple[float, ...] = (1.0, 4.0, math.inf)
     num_prompts: int = 100  # requests sent per rate
     max_tokens: int = 128
-    temperature: float = 0.0
+    temperature: float = CLI_TEMPERATURE
     ignore_eos: bool = True
     model: str | None = None  # None: the first id of /v1/models
     api_key: str | None = None

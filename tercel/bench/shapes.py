@@ -54,6 +54,11 @@ def shape_by_name(name: str) -> Shape | None:
     return SHAPES.get(name.lower())
 
 
+def target_shape(model: str | None) -> Shape | None:
+    """The named shape when `model` names one (and no such path exists), else None."""
+    return shape_by_name(model) if model and not Path(model).exists() else None
+
+
 def hf_tensor_shapes(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     """HF parameter names and shapes, read from the transformers model built on the meta device (no memory);
     tied heads appear once, as the embedding."""

@@ -9,7 +9,7 @@ import time
 import torch
 
 from ..config import EngineConfig
-from ..kv import KVCacheSpec, PagedKVCache
+from ..kv import KVCacheSpec, PagedKVCache, num_kv_blocks
 from ..loader.model_loader import LoadedModel, load_model, parse_dtype
 from .comm import recv
 from .layers import TensorParallel
@@ -46,8 +46,6 @@ def load_rank(config: EngineConfig, group: TPGroup, tokenizer_too: bool, tokeniz
 
 
 def serve(group: TPGroup, config: EngineConfig) -> None:
-    from ..engine import num_kv_blocks
-
     torch.set_grad_enabled(False)
     try:
         loaded = load_rank(config, group, tokenizer_too=False)

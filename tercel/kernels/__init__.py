@@ -3,7 +3,8 @@
 
 `use_triton(t, *params)` is the one switch the model and attention code consult; TERCEL_DISABLE_TRITON=1
 turns every kernel off (debugging: compare against the PyTorch path on the same GPU).
-Switches for side-by-side measurements (benchmarks/decode_variants.py):
+Developer switches for side-by-side measurements (benchmarks/decode_variants.py), documented and read in
+tercel.dev_overrides:
   TERCEL_FUSED_DECODE=0   batch-1 decode and small-M forwards (verify, drafts, small batches) on the unfused
                           kernels (norms, SwiGLU, residual adds, RoPE + store as their own launches)
   TERCEL_DECODE_ATTN      decode attention: rope (default: RoPE + K/V store in the split kernel, merge
@@ -25,6 +26,8 @@ import os
 
 import torch
 
+from ..dev_overrides import env
+
 try:  # triton is present on GPU machines, usually absent on CPU-only ones
     import triton  # noqa: F401
     import triton.language  # noqa: F401
@@ -37,7 +40,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # CPU development: kerne
 
 
 def triton_enabled() -> bool:
-    return TRITON_AVAILABLE and os.environ.get("TERCEL_DISABLE_TRITON", "0") != "1"
+    return TRITON_AVAILABLE and env("TERCEL_DISABLE_TRITON") != "1"
 
 
 def use_triton(t: torch.Tensor, *params: torch.Tensor) -> bool:
@@ -55,14 +58,14 @@ def use_triton(t: torch.Tensor, *params: torch.Tensor) -> bool:
 def fused_decode_enabled() -> bool:
     """Decode and small-M forwards (up to SMALL_M_ROWS rows) fold RMSNorm, SwiGLU and the residual adds
     into the GEMVs (models/llama.py)."""
-    return os.environ.get("TERCEL_FUSED_DECODE", "1") != "0"
+    return env("TERCEL_FUSED_DECODE") != "0"
 
 
 def small_m_enabled() -> bool:
     """TERCEL_SMALL_M=1: tune and use the fused small-M GEMMs for forwards of 2..SMALL_M_ROWS rows (verify,
     small batches). Off by default: benchmarks/results/verify_probe_h200.json measured the tuned choices
     slower per verify step than the unfused kernels on the H200."""
-    return os.environ.get("TERCEL_SMALL_M", "0") == "1"
+    return env("TERCEL_SMALL_M") == "1"
 
 
 SMALL_M_ROWS = 32  # the most rows of a fused small-M forward (kernels.gemm_small): 16 drafts x 2 requests
@@ -80,18 +83,18 @@ DECODE_ATTN_MODES = ("rope", "one", "split")
 
 
 def decode_attention_mode() -> str:
-    mode = os.environ.get("TERCEL_DECODE_ATTN", "rope")
+    mode = env("TERCEL_DECODE_ATTN")
     if mode not in DECODE_ATTN_MODES:
         raise ValueError(f"TERCEL_DECODE_ATTN={mode!r}: use one of {', '.join(DECODE_ATTN_MODES)}.")
     return mode
 
 
 def l2_prefetch_enabled() -> bool:
-    return os.environ.get("TERCEL_L2_PREFETCH", "0") == "1"
+    return env("TERCEL_L2_PREFETCH") == "1"
 
 
 def decode_max_splits() -> int:
-    return max(1, int(os.environ.get("TERCEL_DECODE_MAX_SPLITS", "16")))
+    return max(1, int(env("TERCEL_DECODE_MAX_SPLITS")))
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,7 +119,7 @@ def pdl_mode(t: torch.Tensor) -> int:
     the o_proj and gate_up GEMVs that the tuner leaves unfused. Not under the interpreter, nor before Hopper."""
     if _INTERPRET or not t.is_cuda:
         return 0
-    mode = os.environ.get("TERCEL_PDL", "late")  # late: 4.09 against 4.14 ms per 8B step off (8e60d47)
+    mode = env("TERCEL_PDL")  # late: 4.09 against 4.14 ms per 8B step off (8e60d47)
     if mode not in PDL_MODES:
         raise ValueError(f"TERCEL_PDL={mode!r}: use one of 0, early, late, late_norm.")
     level = PDL_MODES[mode]

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from . import _INTERPRET, SMALL_M_ROWS, pdl_mode, row_bucket
+from .split_sum import sum_splits_kernel
 
 ROW_BUCKETS = tuple(1 << i for i in range(1, SMALL_M_ROWS.bit_length()))  # 2, 4, .., 32: the BLOCK_M values
 
@@ -133,8 +134,6 @@ def gemm_small(x: torch.Tensor, weight: torch.Tensor, config, *, norm_weight: to
     """x: [M, K] rows with unit column stride (silu: [M, 2K], gate first), 1 < M <= 32; weight: [N, K]
     row-major -> [M, N] in x's dtype (or out_dtype). config: a tercel.kernels.gemv.GemvConfig.
     The keywords are gemv's, applied per row (residual: [M, N] contiguous)."""
-    from .gemv import _sum_splits_kernel
-
     n, k = weight.shape
     m = x.shape[0]
     c = config
@@ -159,6 +158,6 @@ def gemm_small(x: torch.Tensor, weight: torch.Tensor, config, *, norm_weight: to
         ADD=residual is not None, DOT=c.dot, IEEE=x.dtype == torch.float32 or _INTERPRET, PDL=pdl,
         num_warps=c.num_warps, **launch)
     if splits > 1:  # the [SPLIT, M * N] partials summed as gemv sums its [SPLIT, N]
-        _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](out, y, res, x, m * n, SPLIT=splits, BLOCK=1024,
+        sum_splits_kernel[(triton.cdiv(m * n, 1024),)](out, y, res, x, m * n, SPLIT=splits, BLOCK=1024,
                                                         ADD=residual is not None, PDL=pdl, **launch)
     return y

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from . import pdl_mode
+from .split_sum import sum_splits_kernel
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,23 +109,6 @@ def _gemv_kernel(X, W, Y, R, NW, K, K_PER_SPLIT, stride_w, N, eps, BLOCK_N: tl.c
         tl.store(Y + split * N + rows, y, mask=rm)
 
 
-@triton.jit
-def _sum_splits_kernel(P, Y, R, X, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < N
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(SPLIT):
-        acc += tl.load(P + s * N + offs, mask=m, other=0.0)
-    acc = acc.to(X.dtype.element_ty).to(tl.float32)  # X: only its dtype, the one every op rounds to
-    if ADD:
-        r = tl.load(R + offs, mask=m, other=0.0)
-        acc = (acc + r.to(tl.float32)).to(X.dtype.element_ty).to(tl.float32)
-    tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=m)
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig = GemvConfig(), *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
          residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -161,6 +145,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig = GemvConfig(
         PDL=pdl,
         num_warps=c.num_warps, **launch)
     if splits > 1:
-        _sum_splits_kernel[(triton.cdiv(n, 1024),)](out, y, res, x, n, SPLIT=splits, BLOCK=1024,
+        sum_splits_kernel[(triton.cdiv(n, 1024),)](out, y, res, x, n, SPLIT=splits, BLOCK=1024,
                                                     ADD=residual is not None, PDL=pdl, **launch)
     return y

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from ..kv import KVCacheSpec, PagedKVCache
-from .linear import Linear, prepack_for_cpu
+from .linear import Linear
 from .llama import MLP, RMSNorm
 from .rope import RotaryEmbedding, apply_rope
 
@@ -218,26 +217,7 @@ class DFlashDraftModel(nn.Module):
             raise ConfigError(f"{source}: missing tensors {missing[:5]} ({len(missing)} in all).")
 
 
-def load_dflash(path: str | Path, target: ModelConfig, dtype: torch.dtype, device: torch.device,
-                max_positions: int) -> DFlashDraftModel:
-    from ..loader import hf
-
-    path = Path(path)
-    if not path.is_dir():
-        raise ConfigError(f"DFlash draft path {path} is not a directory with config.json + *.safetensors.")
-    cfg = DFlashConfig.from_dict(hf.hf_config(path), target, str(path / "config.json"))
-    with torch.device("meta"):
-        model = DFlashDraftModel(cfg, max_positions, dtype)
-    model = model.to(dtype).to_empty(device=device)
-    model.rope = RotaryEmbedding(cfg.layers, max_positions, dtype).to(device)
-    model.load_weights(hf.iter_safetensors(hf.safetensors_files(path)), str(path))
-    _sort_target_layers(model)
-    model = model.eval().requires_grad_(False)
-    prepack_for_cpu(model, device, dtype)
-    return model
-
-
-def _sort_target_layers(model: DFlashDraftModel) -> None:
+def sort_target_layers(model: DFlashDraftModel) -> None:
     """The target returns aux hidden states in ascending layer order; if the checkpoint lists its
     target layers otherwise, permute fc's input column blocks to match."""
     ids = model.config.target_layer_ids

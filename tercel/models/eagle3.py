@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -334,50 +333,3 @@ class EagleDraftModel(nn.Module):
         if t2d is not None and tuple(t2d.shape) != (v,):
             raise ConfigError(f"{source}: 't2d' has shape {tuple(t2d.shape)}, expected ({v},) (the target vocabulary).")
         self.draft_to_target.copy_(ids.to(self.draft_to_target.device))
-
-
-def read_draft_config(path: str | Path, target: ModelConfig) -> EagleDraftConfig:
-    from ..loader import hf
-
-    path = Path(path)
-    if not path.is_dir():
-        raise ConfigError(f"draft model path {str(path)!r} is not a directory with config.json + *.safetensors.")
-    return EagleDraftConfig.from_dict(hf.hf_config(path), target, str(path / "config.json"))
-
-
-def _has_head(cfg: EagleDraftConfig, names: set[str], path: Path) -> bool:
-    """Whether an EAGLE-3 checkpoint brings its own lm_head; without one (and untied) the target's
-    head serves, which needs the full vocabulary."""
-    if cfg.kind != "eagle3" or cfg.tie_word_embeddings or "lm_head.weight" in names:
-        return True
-    if cfg.draft_vocab_size != cfg.layers.vocab_size:
-        raise ConfigError(f"{path}: no lm_head.weight, so the target's lm_head would be used, but "
-                          f"draft_vocab_size={cfg.draft_vocab_size} < vocab_size={cfg.layers.vocab_size}; add the "
-                          f"draft's lm_head.weight or drop draft_vocab_size from config.json.")
-    return False
-
-
-def load_eagle_draft(path: str | Path, target: ModelConfig, dtype: torch.dtype, device: torch.device,
-                     max_positions: int) -> EagleDraftModel:
-    """Load an EAGLE-3 or EAGLE draft directory (config.json + safetensors, never pickles) for `target`."""
-    from ..loader import hf
-
-    path = Path(path)
-    cfg = read_draft_config(path, target)
-    files = hf.safetensors_files(path)
-    names = set()
-    from safetensors import safe_open
-
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            names.update(n.removeprefix("model.") for n in st.keys())
-    with torch.device("meta"):
-        model = EagleDraftModel(cfg, max_positions, dtype, has_embed="embed_tokens.weight" in names,
-                                has_head=_has_head(cfg, names, path))
-    model = model.to(dtype).to_empty(device=device)
-    model.rope = RotaryEmbedding(cfg.layers, max_positions, dtype).to(device)
-    model.draft_to_target = torch.arange(cfg.draft_vocab_size, device=device)
-    model.load_weights(hf.iter_safetensors(files), str(path))
-    model = model.eval().requires_grad_(False)
-    prepack_for_cpu(model, device, dtype)
-    return model

@@ -1,7 +1,7 @@
 """nn.Linear with a per-weight kernel choice, `gemv`:
 
   None              F.linear (cuBLAS / the CPU BLAS), the default everywhere;
-  GemvConfig        batch-1 calls through the Triton GEMV, set by tercel.kernels.gemv_tune where it
+  GemvConfig        batch-1 calls through the Triton GEMV, set by tercel.models.gemv_tuning where it
                     measured the GEMV faster for this shape on this GPU (biased layers and autograd
                     still take F.linear);
   CpuPackedLinear   a bf16 CPU weight prepacked once (oneDNN) or a GGUF 4-bit weight kept 4-bit

@@ -80,7 +80,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        # batch-1 decode GEMVs with their neighbours folded in (set by tercel.kernels.gemv_tune; None: unfused)
+        # batch-1 decode GEMVs with their neighbours folded in (set by tercel.models.gemv_tuning; None: unfused)
         self.qkv_fused = None  # GemvConfig: input RMSNorm in the prologue
         self.o_fused = None  # GemvConfig: residual add in the epilogue
         self.qkv_fused_rows: dict = {}  # row bucket -> GemvConfig of the small-M GEMM (absent: unfused)
@@ -186,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.lm_head_gemv = None  # tied head: GEMV config set by tercel.kernels.gemv_tune
+        self.lm_head_gemv = None  # tied head: GEMV config set by tercel.models.gemv_tuning
         self.lm_head_fused = None  # GemvConfig: final RMSNorm in the lm_head GEMV's prologue (batch-1 decode)
         self.lm_head_fused_rows: dict = {}  # row bucket -> GemvConfig: the same for small-M forwards
         self.rope = RotaryEmbedding(cfg, max_positions, dtype)

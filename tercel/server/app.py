@@ -749,7 +749,9 @@ class _AuthAndMetricsMiddleware:
             self.server.metrics.requests.labels(endpoint, str(status)).inc()
 
 
-def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
+def build_app(engine: LLMEngine, settings: ServerSettings, owns_engine: bool = False) -> FastAPI:
+    """The FastAPI app serving `engine`; owns_engine (tercel serve): the app's shutdown also gives back the
+    engine's memory (LLMEngine.shutdown), else the caller keeps the engine for further use."""
     server = OpenAIServer(engine, settings)
 
     @asynccontextmanager
@@ -758,7 +760,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         try:
             yield
         finally:
-            await server.aengine.shutdown()
+            await server.aengine.shutdown(release_engine=owns_engine)
             server._tok_pool.shutdown(wait=False, cancel_futures=True)
 
     # /openapi.json and /docs sit behind the API key like every route but /health.

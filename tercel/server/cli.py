@@ -10,11 +10,11 @@ import argparse
 import asyncio
 import functools
 import logging
-import os
 import signal
 import sys
 
 from ..cli_args import CliParser, add_engine_options, engine_config_from_args, fail
+from ..dev_overrides import env
 from ..options import parse_size
 
 log = logging.getLogger("tercel.server")
@@ -171,7 +171,7 @@ def run_serve(args: argparse.Namespace) -> int:
     limits = ConnectionLimits(max_connections=max_connections, header_timeout_s=args.header_timeout,
                               body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout)
 
-    api_key = args.api_key or os.environ.get("TERCEL_API_KEY") or None
+    api_key = args.api_key or env("TERCEL_API_KEY") or None
     try:
         engine = engine_module.LLMEngine(config)
         if engine.tokenizer is None:
@@ -185,7 +185,7 @@ def run_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or engine.loaded.path.name, model_path=str(engine.loaded.path),
         api_key=api_key, max_queue_size=args.max_queue_size, max_body_bytes=args.max_body_bytes,
         max_n=args.max_n, max_request_fanout=args.max_request_fanout, shutdown_timeout_s=args.shutdown_timeout)
-    app = build_app(engine, settings)
+    app = build_app(engine, settings, owns_engine=True)
     server_state = app.state.server
     guard = ConnectionGuard(limits, server_state.metrics)
 

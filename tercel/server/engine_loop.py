@@ -127,12 +127,18 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="tercel-engine", daemon=True)
         self._thread.start()
 
-    async def shutdown(self, timeout_s: float = 30.0) -> None:
+    async def shutdown(self, timeout_s: float = 30.0, release_engine: bool = False) -> None:
+        """Abort every request and stop the engine thread; release_engine (the server owns the engine): then
+        give back its memory (LLMEngine.shutdown), once the thread has stopped using it."""
         self.abort_all()
         self._stop = True
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout_s)
+        if release_engine and (self._thread is None or not self._thread.is_alive()):
+            self.engine.shutdown()
+        elif release_engine:
+            log.warning("the engine thread did not stop within %.0f s; its memory is released at exit", timeout_s)
 
     @property
     def healthy(self) -> bool:

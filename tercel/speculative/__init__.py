@@ -32,11 +32,11 @@ from .config import (
 )
 
 if TYPE_CHECKING:
-    from ..engine import LLMEngine
+    from .host import SpecEngine
     from .worker import SpecWorker
 
 
-def build_spec_worker(engine: "LLMEngine", algorithm: str | None, draft_path: str | Path | None,
+def build_spec_worker(engine: "SpecEngine", algorithm: str | None, draft_path: str | Path | None,
                       num_steps: int | None, topk: int | None, num_draft_tokens: int | None,
                       default_model: bool = False, ddtree_budget: int | None = None,
                       token_map: str | Path | None = None, adaptive: bool = True) -> "SpecWorker | None":

@@ -19,8 +19,8 @@ again: when it no longer picks the full width, the chain ends and the worker's a
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,10 +30,8 @@ from ..request import Request
 from .adaptive import candidate_widths
 from .batching import padded_tables
 from .chain import ChainBatch, ChainOutputs
+from .host import ChainHost
 from .verify import context_free
-
-if TYPE_CHECKING:
-    from .worker import SpecWorker
 
 
 @dataclass(slots=True)
@@ -46,8 +44,8 @@ class InflightChain:
 
 
 class ChainLoop:
-    def __init__(self, worker: "SpecWorker", runner: CudaGraphRunner) -> None:
-        self.worker = worker
+    def __init__(self, worker: ChainHost, runner: CudaGraphRunner) -> None:
+        self.worker = weakref.proxy(worker)  # the worker owns this loop: no reference cycle back to it
         self.engine = worker.engine
         self.runner = runner
         self.width = worker.num_draft_tokens

@@ -13,22 +13,21 @@ choice, so verify treats each as q = one-hot (recursive rejection over siblings)
 from __future__ import annotations
 
 import heapq
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..forward_batch import CaptureHiddenMode
 from ..kv import PagedKVCache, slot_of
-from ..models.dflash import DFlashDraftModel, load_dflash
+from ..loader.drafts import load_dflash
+from ..models.dflash import DFlashDraftModel
 from ..request import Request
 from ..sampling import ahead_keys, draw_noise, filter_logits, race
 from .drafter import Drafter, ExtendedChunk
+from .host import SpecEngine
 from .tree import DraftTree
 from .verify import Accepted
-
-if TYPE_CHECKING:
-    from ..engine import LLMEngine
 
 
 @dataclass(slots=True)
@@ -70,9 +69,9 @@ def build_ddtree(logprobs: torch.Tensor, tokens: torch.Tensor, root: int, budget
 class DFlashDrafter(Drafter):
     capture_hidden_mode = CaptureHiddenMode.FULL
 
-    def __init__(self, engine: "LLMEngine", draft: DFlashDraftModel, block_size: int,
+    def __init__(self, engine: SpecEngine, draft: DFlashDraftModel, block_size: int,
                  tree_budget: int | None, tree_topk: int = 4) -> None:
-        self.engine = engine
+        self.engine = weakref.proxy(engine)  # the engine owns the drafter: no reference cycle back to it
         self.draft = draft
         self.block_size = block_size
         self.tree_budget = tree_budget  # None: chain (DFLASH)
@@ -85,7 +84,7 @@ class DFlashDrafter(Drafter):
                                   engine.device)
 
     @classmethod
-    def load(cls, engine: "LLMEngine", path, block_size: int | None, tree_budget: int | None) -> "DFlashDrafter":
+    def load(cls, engine: SpecEngine, path, block_size: int | None, tree_budget: int | None) -> "DFlashDrafter":
         draft = load_dflash(path, engine.model_config, engine.dtype, engine.device, engine.config.max_model_len
                             + (block_size or 64))
         size = block_size or draft.config.block_size

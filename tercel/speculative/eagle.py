@@ -16,6 +16,7 @@ ancestor mask. At the end the num_draft_tokens - 1 best candidates (plus the roo
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,19 +27,20 @@ import torch.nn.functional as F
 from ..forward_batch import CaptureHiddenMode
 from ..graphs.runner import CudaGraphRunner, GraphConfig
 from ..kv import PagedKVCache, slot_of
+from ..loader.drafts import load_eagle_draft
 from ..loader.model_loader import draft_dtype
-from ..models.eagle3 import EagleDraftModel, load_eagle_draft
+from ..models.eagle3 import EagleDraftModel
 from ..request import Request
 from ..sampling import ahead_keys, draw_noise, filter_logits, race
 from .batching import blocks_covering, padded_tables
 from .drafter import DeviceChains, Drafter, ExtendedChunk
 from .eagle_steps import DraftExtendBatch, DraftLoopBatch, EagleDraftLoopStep, EagleExtendStep
+from .host import SpecEngine
 from .tree import DraftTree, select_tree_nodes
 from .verify import Accepted
 
 if TYPE_CHECKING:
-    from ..engine import LLMEngine
-    from . import SpecConfig
+    from .config import SpecConfig
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +99,9 @@ class _PrefixAttention:
 class EagleDrafter(Drafter):
     capture_hidden_mode = CaptureHiddenMode.FULL
 
-    def __init__(self, engine: "LLMEngine", model: EagleDraftModel, num_steps: int, topk: int,
+    def __init__(self, engine: SpecEngine, model: EagleDraftModel, num_steps: int, topk: int,
                  num_draft_tokens: int, token_map: Path | None = None) -> None:
-        self.engine = engine
+        self.engine = weakref.proxy(engine)  # the engine owns the drafter: no reference cycle back to it
         self.model = model
         self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
         self.aux_layer_ids = model.config.aux_layer_ids
@@ -131,7 +133,7 @@ class EagleDrafter(Drafter):
         self.extend_runner: CudaGraphRunner | None = None
 
     @classmethod
-    def load(cls, engine: "LLMEngine", cfg: "SpecConfig") -> "EagleDrafter":
+    def load(cls, engine: SpecEngine, cfg: "SpecConfig") -> "EagleDrafter":
         model = load_eagle_draft(cfg.draft_model_path, engine.model_config, draft_dtype(engine.dtype, engine.device),
                                  engine.device, engine.config.max_model_len)
         want = "eagle3" if cfg.algorithm == "EAGLE3" else "eagle"

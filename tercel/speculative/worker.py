@@ -13,13 +13,13 @@ KV bookkeeping for one request whose root (last sampled token) sits at position 
 """
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass, field
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..dev_overrides import env
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from ..graphs.runner import CudaGraphRunner, GraphConfig
 from ..graphs.steps import ModelStep
@@ -31,45 +31,19 @@ from ..scheduler import ScheduledRequest
 from .adaptive import AdaptiveSpec, candidate_widths
 from .batching import verify_batch
 from .drafter import DeviceChains, Drafter, ExtendedChunk
+from .host import SpecEngine
 from .profile import StepProfile
+from .stats import SpecStats
 from .tree import DraftTree
 from .verify import Accepted, accept_greedy_batched, accept_walk, context_free, sampled_targets
 
 if TYPE_CHECKING:
-    from ..engine import LLMEngine
     from .chain_loop import ChainLoop
 
 
-@dataclass(slots=True)
-class SpecStats:
-    """Engine-wide speculative decoding counters (all requests since the engine started)."""
-    verify_steps: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accept_histogram: list[int] = field(default_factory=list)
-    width_histogram: dict[int, int] = field(default_factory=dict)  # adaptive: steps per chosen width (1: plain)
-    plain_window_steps: int = 0  # adaptive: plain steps run as the engine's decode windows (part of width 1)
-
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        self.verify_steps += 1
-        self.draft_tokens += num_drafts
-        self.accepted_tokens += num_accepted
-        if len(self.accept_histogram) <= num_accepted:
-            self.accept_histogram.extend([0] * (num_accepted + 1 - len(self.accept_histogram)))
-        self.accept_histogram[num_accepted] += 1
-
-    @property
-    def mean_accept_length(self) -> float | None:
-        return None if not self.verify_steps else (self.accepted_tokens + self.verify_steps) / self.verify_steps
-
-    @property
-    def accept_rate(self) -> float | None:
-        return None if not self.draft_tokens else self.accepted_tokens / self.draft_tokens
-
-
 class SpecWorker:
-    def __init__(self, engine: "LLMEngine", drafter: Drafter, num_draft_tokens: int, adaptive: bool = False) -> None:
-        self.engine = engine
+    def __init__(self, engine: SpecEngine, drafter: Drafter, num_draft_tokens: int, adaptive: bool = False) -> None:
+        self.engine = weakref.proxy(engine)  # the engine owns the worker: no reference cycle back to it
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens  # nodes per tree, root included
         self.stats = SpecStats()
@@ -221,7 +195,7 @@ class SpecWorker:
             self.verify_runner = self.verify_runners[self.num_draft_tokens]
             self.drafter.init_graphs(config, max_blocks)
             # TERCEL_SPEC_CHAIN=0: separate draft / verify / extend graphs only (side-by-side measurements)
-            chain_step = (self.drafter.chain_step(max_blocks) if os.environ.get("TERCEL_SPEC_CHAIN", "1") != "0"
+            chain_step = (self.drafter.chain_step(max_blocks) if env("TERCEL_SPEC_CHAIN") != "0"
                           else None)
             if chain_step is not None:
                 from .chain_loop import ChainLoop

@@ -1,0 +1,65 @@
+"""Every `TERCEL_*` environment variable Tercel reads, in one table, and the one function that reads them.
+
+The engine's behaviour is configured by the settings tree (tercel.config: keyword arguments and the
+command lines' flags). The variables below are not settings: they are developer switches for
+side-by-side measurements and debugging of the GPU kernels, machine plumbing (a commit hash, a results
+directory) and a secret that should not sit on a command line. A name missing from OVERRIDES cannot be
+read (`env` raises), and tests/test_layering.py checks that no other module reads a `TERCEL_*` variable.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EnvOverride:
+    default: str | None  # the value when unset (None: no value)
+    meaning: str
+    kind: str = "developer"  # developer: measurement / debugging switch; environment: machine or secret
+
+
+OVERRIDES: dict[str, EnvOverride] = {
+    "TERCEL_DISABLE_TRITON": EnvOverride(
+        "0", "1: every Triton kernel off, the PyTorch path everywhere (compare against it on the same GPU)"),
+    "TERCEL_FUSED_DECODE": EnvOverride(
+        "1", "0: batch-1 decode and small-M forwards (verify, drafts, small batches) on the unfused kernels "
+             "(norms, SwiGLU, residual adds, RoPE + store as their own launches)"),
+    "TERCEL_SMALL_M": EnvOverride(
+        "0", "1: tune and use the fused small-M GEMMs for 2..32-row forwards (measured slower per verify step on "
+             "the H200, so off)"),
+    "TERCEL_DECODE_ATTN": EnvOverride(
+        "rope", "decode attention variant: rope (RoPE + K/V store in the split kernel, merge kernel after), one "
+                "(the merge in the same launch, by the last split), split (a separate rope_store kernel before)"),
+    "TERCEL_L2_PREFETCH": EnvOverride(
+        "0", "1: decode attention pulls the o_proj weight into L2 while it runs (measured slower on the H200)"),
+    "TERCEL_DECODE_MAX_SPLITS": EnvOverride(
+        "16", "most split-KV programs per (request, KV head) in decode attention"),
+    "TERCEL_PDL": EnvOverride(
+        "late", "programmatic dependent launch of the decode GEMVs and attention: late (the next kernel may "
+                "launch once every program has finished its main loop), early or 1 (once every program has "
+                "passed its wait), 0 (off), late_norm (late, and the RMSNorm kernel takes part too)"),
+    "TERCEL_SPEC_CHAIN": EnvOverride(
+        "1", "0: greedy EAGLE chains run as separate draft / verify / extend graphs instead of one chained "
+             "graph step (side-by-side measurements)"),
+    "TERCEL_TP_INIT_TIMEOUT": EnvOverride(
+        "300", "seconds tensor-parallel ranks wait for each other in torch.distributed's store and "
+               "process-group start (slow shared file systems)"),
+    "TERCEL_API_KEY": EnvOverride(
+        None, "the bearer key `tercel serve` requires and `tercel bench serve` sends when --api-key is not "
+              "given (keeps the secret off the command line)", kind="environment"),
+    "TERCEL_RESULTS_DIR": EnvOverride(
+        None, "where `tercel bench` writes its JSON and PNGs when --out-dir is not given", kind="environment"),
+    "TERCEL_COMMIT": EnvOverride(
+        None, "the commit `tercel bench` records in its results when the checkout has no .git (a copied tree)",
+        kind="environment"),
+}
+
+
+def env(name: str) -> str | None:
+    """The variable's value, else its default. Read at each call, so a test or benchmark may set it late."""
+    entry = OVERRIDES.get(name)
+    if entry is None:
+        raise KeyError(f"{name} is not a documented Tercel environment variable; add it to "
+                       f"tercel.dev_overrides.OVERRIDES with its meaning, or make it a setting (tercel.config).")
+    return os.environ.get(name, entry.default)

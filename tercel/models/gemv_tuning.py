@@ -1,0 +1,122 @@
+"""Apply the batch-1 GEMV and small-M GEMM tuning of tercel.kernels.gemv_tune to a model's layers.
+
+The kernels layer measures weights (tune_shape, tune_role) and knows no model; this module walks a
+Llama-family model, groups its Linear layers by shape and fused role, has each group measured and sets
+the chosen configs on the layers. The engine calls tune_model once at start on the GPU.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+
+import torch
+
+from ..kernels import small_m_enabled
+from ..kernels.gemm_small import ROW_BUCKETS
+from ..kernels.gemv import GemvConfig
+from ..kernels.gemv_tune import GemvChoice, small_m_candidates, tune_role, tune_shape
+from .linear import Linear
+from .llama import MLP, Attention, LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+def _role_slots(model: torch.nn.Module) -> dict[str, list]:
+    """Per fused role: (module, attribute, weight, the weight's plain choice) of every layer."""
+    # (module, attribute, weight, the weight's plain choice)
+    slots: dict[str, list] = {"qkv": [], "o": [], "gate_up": [], "down": [], "lm_head": []}
+    for m in model.modules():
+        # the fused kernels add no bias: biased layers keep their unfused ops
+        if isinstance(m, Attention) and m.qkv_proj.bias is None and m.o_proj.bias is None and m.qkv_proj.weight.is_cuda:
+            slots["qkv"].append((m, "qkv_fused", m.qkv_proj.weight, m.qkv_proj.gemv))
+            slots["o"].append((m, "o_fused", m.o_proj.weight, m.o_proj.gemv))
+        elif isinstance(m, MLP) and m.gate_up_proj.weight.is_cuda and m.gate_up_proj.bias is None:
+            slots["gate_up"].append((m, "gate_up_fused", m.gate_up_proj.weight, m.gate_up_proj.gemv))
+            slots["down"].append((m, "down_fused", m.down_proj.weight, m.down_proj.gemv))
+        elif isinstance(m, LlamaForCausalLM) and m.lm_head_weight.is_cuda:
+            slots["lm_head"].append((m, "lm_head_fused", m.lm_head_weight, m.lm_head_config))
+    return slots
+
+
+def _tune_fused(model: torch.nn.Module) -> list[GemvChoice]:
+    """Measure and set the fused decode roles of a Llama-family model (nothing for other models)."""
+    slots = _role_slots(model)
+    measured = []
+    for role, items in slots.items():
+        by_shape: dict[tuple[tuple[int, int], GemvConfig | None], list] = defaultdict(list)
+        for item in items:
+            by_shape[(tuple(item[2].shape), item[3])].append(item)
+        for (_, plain), group in by_shape.items():
+            measured.append((group, tune_role(role, [w for _, _, w, _ in group], plain)))
+    for group, choice in measured:  # all measured first, as in tune_model
+        for mod, attr, _, _ in group:
+            setattr(mod, attr, choice.config)
+    return [c for _, c in measured]
+
+
+def _tune_small_m(model: torch.nn.Module) -> list[GemvChoice]:
+    """Measure and set the small-M roles of a Llama-family model, per row bucket ({attribute}_rows)."""
+    measured = []
+    for role, items in _role_slots(model).items():
+        by_shape: dict[tuple[int, int], list] = defaultdict(list)
+        for item in items:
+            by_shape[tuple(item[2].shape)].append(item)
+        for group in by_shape.values():
+            weights = [w for _, _, w, _ in group]
+            for rows in ROW_BUCKETS:
+                choice = tune_role(role, weights, None, small_m_candidates(rows), rows=rows)
+                measured.append((group, choice))
+    for group, choice in measured:  # all measured first: a failure part-way sets nothing
+        for mod, attr, _, _ in group:
+            table = getattr(mod, attr + "_rows")
+            if choice.config is None:
+                table.pop(choice.rows, None)
+            else:
+                table[choice.rows] = choice.config
+    return [c for _, c in measured]
+
+
+@torch.inference_mode()
+def tune_model(model: torch.nn.Module) -> list[GemvChoice]:
+    """Measure every bias-free Linear shape of `model` (and its tied lm_head) and set each layer's
+    `gemv` config. Returns the measurements (also logged)."""
+    head = getattr(model, "lm_head", 0)  # a Linear, None when tied to the embedding, 0: no such model
+    groups: dict[tuple[int, int], list[Linear]] = defaultdict(list)
+    for m in model.modules():
+        if isinstance(m, Linear) and m.bias is None and m.weight.is_cuda and m is not head:
+            groups[tuple(m.weight.shape)].append(m)
+    # measure everything first, then set: a failure part-way leaves every layer on cuBLAS
+    measured = [(mods, tune_shape([m.weight for m in mods])) for mods in groups.values()]
+    # the head on its own, as it runs: its logits are fp32 (LlamaForCausalLM.compute_logits)
+    has_head = head != 0 and (head is None or head.bias is None) and model.lm_head_weight.is_cuda
+    head_choice = tune_shape([model.lm_head_weight], out_dtype=torch.float32) if has_head else None
+    for mods, choice in measured:
+        for m in mods:
+            m.gemv = choice.config
+    if head_choice is not None:
+        if head is None:
+            model.lm_head_gemv = head_choice.config
+        else:
+            head.gemv = head_choice.config
+    choices = [c for _, c in measured] + ([head_choice] if head_choice is not None else [])
+    try:  # the fused roles after the plain choices, which they compare against
+        choices += _tune_fused(model)
+    except Exception as e:  # never fatal: the unfused decode stays
+        log.warning("fused batch-1 GEMV tuning failed (%s); decode stays unfused", e)
+    if not small_m_enabled():  # opt-in: on the H200 the kept configs made whole verify steps slower
+        return _log_choices(choices)
+    start = time.perf_counter()
+    try:
+        choices += _tune_small_m(model)
+    except Exception as e:  # never fatal: forwards of several rows stay unfused
+        log.warning("small-M GEMM tuning failed (%s); verify and small batches stay unfused", e)
+    log.info("small-M GEMM tuning took %.1f s", time.perf_counter() - start)
+    return _log_choices(choices)
+
+
+def _log_choices(choices: list[GemvChoice]) -> list[GemvChoice]:
+    for c in choices:
+        log.info("linear %s %s x%d layers, %d row(s): unfused %.1f us, GEMV %s us -> %s", c.role, c.shape, c.layers,
+                 c.rows, c.cublas_us, c.gemv_us, c.config or "unfused")
+    return choices

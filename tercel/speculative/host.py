@@ -1,0 +1,71 @@
+"""What the speculative package sees of the layers above it, as Protocols.
+
+The engine builds the speculative worker and passes itself in; the worker passes itself to its chain
+loop. Neither is imported here (tercel.engine imports tercel.speculative, never the reverse), so the
+speculative code names the engine and the worker only through these interfaces. LLMEngine implements
+SpecEngine, SpecWorker implements ChainHost.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from ..config import EngineConfig, ModelConfig
+    from ..forward_batch import ForwardBatch, ModelOutput
+    from ..kv import PagedKVCache
+    from ..models.interface import TargetModel
+    from ..outputs import RequestOutput
+    from ..request import Request
+    from ..sampling import Sampler
+    from ..scheduler import ScheduledRequest, Scheduler
+    from .adaptive import AdaptiveSpec
+    from .config import SpecConfig
+    from .drafter import Drafter
+    from .profile import StepProfile
+    from .stats import SpecStats
+
+
+class SpecEngine(Protocol):
+    """The engine as the speculative worker and the drafters use it (tercel.engine.LLMEngine)."""
+    device: torch.device
+    dtype: torch.dtype
+    config: EngineConfig
+    model_config: ModelConfig
+    model: TargetModel
+    kv: PagedKVCache
+    scheduler: Scheduler
+    sampler: Sampler
+    overlap_schedule: bool
+    spec_config: SpecConfig | None
+
+    @property
+    def draft_target(self) -> TargetModel:
+        """What a draft reads of the target: the target itself, or rank 0's whole copies under TP."""
+        ...
+
+    def upload(self, lists: list[list[int]]) -> list[torch.Tensor]: ...
+
+    def run_model(self, batch: ForwardBatch) -> ModelOutput: ...
+
+    def _build_batch(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, list[ScheduledRequest]]: ...
+
+    def _postprocess(self, reqs: list[Request], tokens: list[int],
+                     logprobs: list[dict[int, float] | None]) -> list[RequestOutput]: ...
+
+    def _emit(self, outputs: list[RequestOutput], req: Request) -> None: ...
+
+    def _append_token(self, req: Request, token: int, logprob: dict[int, float] | None) -> None: ...
+
+
+class ChainHost(Protocol):
+    """The speculative worker as its chain loop uses it (tercel.speculative.worker.SpecWorker)."""
+    engine: SpecEngine
+    num_draft_tokens: int
+    drafter: Drafter
+    adaptive: AdaptiveSpec | None
+    profile: StepProfile
+    stats: SpecStats
+
+    def _free_unused_blocks(self, r: Request) -> None: ...

@@ -1,0 +1,31 @@
+"""Engine-wide speculative decoding counters (LLMEngine.spec_stats, tercel bench)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Engine-wide speculative decoding counters (all requests since the engine started)."""
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accept_histogram: list[int] = field(default_factory=list)
+    width_histogram: dict[int, int] = field(default_factory=dict)  # adaptive: steps per chosen width (1: plain)
+    plain_window_steps: int = 0  # adaptive: plain steps run as the engine's decode windows (part of width 1)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.verify_steps += 1
+        self.draft_tokens += num_drafts
+        self.accepted_tokens += num_accepted
+        if len(self.accept_histogram) <= num_accepted:
+            self.accept_histogram.extend([0] * (num_accepted + 1 - len(self.accept_histogram)))
+        self.accept_histogram[num_accepted] += 1
+
+    @property
+    def mean_accept_length(self) -> float | None:
+        return None if not self.verify_steps else (self.accepted_tokens + self.verify_steps) / self.verify_steps
+
+    @property
+    def accept_rate(self) -> float | None:
+        return None if not self.draft_tokens else self.accepted_tokens / self.draft_tokens
