@@ -154,7 +154,10 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = CliParser(prog="tercel", description="Tercel: fast speculative-decoding LLM inference.")
+    parser.add_argument("--version", action="version", version=f"tercel {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt and print a speed summary",
                          description="Generate text. With neither --prompt nor --chat, chats a demo question "
@@ -165,8 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--chat", help="a user message, wrapped in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=128, help="most new tokens (default 128)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="nucleus sampling: keep the smallest set of tokens whose probability reaches this, in "
+                          "(0, 1] (default 1: all)")
+    gen.add_argument("--top-k", type=int, default=0,
+                     help="sample among the k most likely tokens (default 0: all; -1 also means all)")
     gen.add_argument("--request-seed", type=int, default=None, help="seed for this request's sampling")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     gen.add_argument("--model", default=None,

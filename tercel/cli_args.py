@@ -67,7 +67,7 @@ def add_engine_options(parser: argparse.ArgumentParser, defaults: dict[str, Any]
         o = s.option
         if o.parse is None:  # a switch
             g.add_argument(flag(s), dest=s.kwarg, action="store_false" if o.negate else "store_true",
-                           default=default, help=o.help)
+                           default=default, help=o.off_help if o.negate else o.help)
             continue
         metavar = o.metavar or ("{" + ",".join(o.choices) + "}" if o.choices else _METAVARS.get(o.parse))
         g.add_argument(flag(s), dest=s.kwarg, type=_value_parser(s), default=default, metavar=metavar, help=o.help)

@@ -232,9 +232,10 @@ class CudaGraphConfig:
 class KernelConfig:
     """kernels: CPU threads, GPU kernel tuning"""
 
-    tune_gemv: bool = option(True, "(flag: --no-tune-gemv turns it off) measure cuBLAS against the Triton GEMVs "
-                                   "at start and keep the faster per shape (GPU, bf16/fp16)",
-                             check=boolean, negate=True)
+    tune_gemv: bool = option(True, "measure cuBLAS against the Triton GEMVs at start and keep the faster per shape "
+                                   "(GPU, bf16/fp16; default on)", check=boolean, negate=True,
+                             off_help="skip measuring cuBLAS against the Triton GEMVs at start and use cuBLAS for "
+                                      "every batch-1 linear (GPU, bf16/fp16)")
     threads: int | None = option(None, "CPU threads for PyTorch's kernels (default: PyTorch's choice)",
                                  parse=parse_int, check=positive_int(optional=True))
 

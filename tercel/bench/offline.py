@@ -18,13 +18,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from . import ALGORITHMS, DEFAULT_CONCURRENCY
 from .environment import copy_bandwidth, weight_bytes
 from .shapes import shape_by_name
 
 log = logging.getLogger(__name__)
 
-ALGORITHMS = ("NONE", "NGRAM", "EAGLE", "EAGLE3", "DFLASH", "DDTREE")
-DEFAULT_CONCURRENCY = (1, 4, 16, 64, 128, 256)
 SHAPE_MAX_MODEL_LEN = 4096  # random-weight shapes: their configs allow 128k, which sizes a huge RoPE table
 SHAPE_PROMPT_LEN = 32
 

@@ -90,7 +90,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds an idle keep-alive connection stays open (default 5)")
     s.add_argument("--shutdown-timeout", type=_positive_float, default=5.0,
                    help="seconds running requests get to finish after SIGTERM before they are aborted (default 5)")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the server's log level (default info)")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_engine_options(p)
 
