@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import ALGORITHMS, DEFAULT_CONCURRENCY
+from . import DEFAULT_CONCURRENCY
 from .environment import copy_bandwidth, weight_bytes
 from .shapes import shape_by_name
 
