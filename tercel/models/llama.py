@@ -182,7 +182,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.max_positions = max_positions
         self.rope_dtype = dtype
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # no random init (load_weights fills every parameter): on the meta device normal_'s first call costs
+        # seconds of lazy torch imports at every start
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

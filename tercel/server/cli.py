@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-from ..cli_args import CliParser, add_engine_options, engine_config_from_args, fail
+from ..cli_args import CliParser, add_engine_options, engine_config_from_args, fail, start_checks
 from ..options import parse_size
 
 log = logging.getLogger("tercel.server")
@@ -140,7 +140,7 @@ def run_serve(args: argparse.Namespace) -> int:
     model = args.model_opt or args.model_pos
     try:  # every setting checked, and the checkpoint's config read, before anything heavy loads
         config = engine_config_from_args(args, model=model, progress=sys.stderr.isatty())
-        check_checkpoint(config)
+        checkpoint = check_checkpoint(config)
     except ConfigError as e:
         return fail(args, str(e).rstrip("."))
     # SIGTERM before uvicorn takes over (imports, model load), or re-raised by uvicorn after its graceful
@@ -174,7 +174,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     api_key = args.api_key or os.environ.get("TERCEL_API_KEY") or None
     try:
-        engine = engine_module.LLMEngine(config)
+        engine = engine_module.LLMEngine(config, checkpoint=checkpoint)
         if engine.tokenizer is None:
             raise ConfigError("the model has no tokenizer; the server needs one to handle text.")
     except (ConfigError, ValueError) as e:
@@ -221,18 +221,21 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_checkpoint(config) -> None:
-    """The model path and its config.json / GGUF metadata, and --max-model-len against it: seconds, not
-    the minutes a large model's weights take to load before the same error."""
+def check_checkpoint(config):
+    """The model path, the speculative flags and draft paths, its config.json / GGUF metadata, and
+    --max-model-len against it: seconds, not the minutes a large model's weights take to load before the
+    same error. Returns the Checkpoint, for the engine."""
     from ..config import ConfigError
-    from ..loader.model_loader import checked_max_model_len, read_checkpoint
+    from ..loader.model_loader import checked_max_model_len
 
-    cfg = read_checkpoint(config.model.model).config
+    ckpt = start_checks(config)
+    cfg = ckpt.config
     try:
         checked_max_model_len(cfg, config.model.max_model_len)
     except ConfigError:
         raise ConfigError(f"--max-model-len {config.model.max_model_len}: exceeds the model's "
                           f"max_position_embeddings={cfg.max_position_embeddings}; lower it") from None
+    return ckpt
 
 
 def main(argv: list[str] | None = None) -> int:
