@@ -100,12 +100,12 @@ def spec_summary(engine, mean_accept_length: float | None) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from . import LLM
-
     config = engine_config_from_args(args, model=args.model)
     params = sampling_params(args)
     ckpt = start_checks(config)
     tokenizer, prompt = prompt_ids(args, config, ckpt)
+    from . import LLM  # the engine (torch): after every check
+
     llm = LLM(config, tokenizer=tokenizer, checkpoint=ckpt)
     start = time.perf_counter()
     last = None

@@ -10,6 +10,7 @@ import logging
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 from .config import ConfigError, EngineConfig, Setting, settings
@@ -93,22 +94,28 @@ def flag_name(kwarg: str) -> str:
 
 def check_speculative(config: EngineConfig, default_model: bool) -> None:
     """The speculative flags and the draft / token-map paths they name, before any weight loads: a
-    ConfigError naming the flag and the fix. AUTO picks the bundled draft or none, so it is always valid."""
+    ConfigError naming the flag and the fix. AUTO takes the bundled draft (or none), or the EAGLE3 draft named."""
     from .speculative.config import SpecConfig
 
     sp = config.speculative
-    if sp.algorithm is not None and sp.algorithm.upper() == "AUTO":
-        return
-    try:
-        cfg = SpecConfig.resolve(sp.algorithm, sp.draft_model_path, sp.num_steps, sp.eagle_topk, sp.num_draft_tokens,
-                                 default_model, sp.ddtree_budget, sp.token_map)
-    except ConfigError as e:
-        raise ConfigError(cli_message(str(e).rstrip("."))) from None
-    if cfg is None:
-        return
+    if (sp.algorithm or "").upper() == "AUTO":  # the bundled EAGLE3 draft or none; a draft named is an EAGLE3 one
+        algorithm = "EAGLE3"
+        draft = Path(sp.draft_model_path).expanduser() if sp.draft_model_path is not None else None
+    else:
+        try:
+            cfg = SpecConfig.resolve(sp.algorithm, sp.draft_model_path, sp.num_steps, sp.eagle_topk,
+                                     sp.num_draft_tokens, default_model, sp.ddtree_budget, sp.token_map)
+        except ConfigError as e:
+            raise ConfigError(cli_message(str(e).rstrip("."))) from None
+        if cfg is None:
+            if sp.draft_model_path is not None:
+                raise ConfigError(f"--speculative-draft-model-path {sp.draft_model_path} is set but speculative "
+                                  f"decoding is off; pass --speculative-algorithm EAGLE3 (or EAGLE, DFLASH, DDTREE) "
+                                  f"with it, or drop it")
+            return
+        algorithm, draft = cfg.algorithm, cfg.draft_model_path
     if sp.draft_model_path is not None:
-        draft = cfg.draft_model_path
-        kind = "a DFlash" if cfg.algorithm in ("DFLASH", "DDTREE") else f"an {cfg.algorithm}"
+        kind = "a DFlash" if algorithm in ("DFLASH", "DDTREE") else f"an {algorithm}"
         if draft is None or not draft.is_dir() or not (draft / "config.json").is_file():
             what = "no such directory" if draft is None or not draft.exists() else \
                 "not a directory" if not draft.is_dir() else "no config.json there"
@@ -118,7 +125,7 @@ def check_speculative(config: EngineConfig, default_model: bool) -> None:
         if not any(draft.glob("*.safetensors")):
             raise ConfigError(f"--speculative-draft-model-path {sp.draft_model_path}: no .safetensors weights there; "
                               f"give {kind} draft directory (config.json + model.safetensors)")
-    if cfg.token_map is not None and not cfg.token_map.is_file():
+    if sp.token_map is not None and not Path(sp.token_map).expanduser().is_file():
         raise ConfigError(f"--speculative-token-map {sp.token_map}: no such file; give a .pt or .json list of "
                           f"token ids, or drop the flag")
 

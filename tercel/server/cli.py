@@ -226,9 +226,9 @@ def check_checkpoint(config):
     --max-model-len against it: seconds, not the minutes a large model's weights take to load before the
     same error. Returns the Checkpoint, for the engine."""
     from ..config import ConfigError
-    from ..loader.model_loader import checked_max_model_len
 
     ckpt = start_checks(config)
+    from ..loader.model_loader import checked_max_model_len  # torch: after the checks that need none
     cfg = ckpt.config
     try:
         checked_max_model_len(cfg, config.model.max_model_len)
