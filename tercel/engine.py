@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, EngineConfig, ModelLoadConfig
+from .cpu_threads import apply_threads
 from .detokenizer import update_text
 from .forward_batch import ForwardBatch, ModelOutput
 from .kv import KVCacheSpec, PagedKVCache, blocks_for_budget, slot_of
@@ -154,8 +155,7 @@ class LLMEngine:
         checkpoint: the model already read by read_checkpoint (the command lines do, to check flags)."""
         config = engine_config(model, config, settings).validate()
         m, sched = config.model, config.scheduler
-        if config.kernel.threads is not None:
-            torch.set_num_threads(config.kernel.threads)
+        apply_threads(config.kernel.threads)  # --threads, else the physical cores
         self.num_scheduler_steps = sched.num_scheduler_steps
         self.device = resolve_device(m.device)
         # overlap schedule: a GPU default (on CPU the forward runs on the host, so nothing overlaps);

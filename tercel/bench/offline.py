@@ -171,10 +171,12 @@ def target_shape(model: str | None):
 
 def load_target(cfg: OfflineConfig):
     """The model, loaded once for every algorithm's engine."""
+    from ..cpu_threads import apply_threads
     from ..engine import resolve_device
     from ..loader.model_loader import load_model, read_checkpoint, resolve_dtype
     from .shapes import random_loaded
 
+    apply_threads(cfg.engine.get("threads"))  # the load's packing too, not only the engines' steps
     device = resolve_device(cfg.engine.get("device", "auto"))
     dtype, dequantize = cfg.engine.get("dtype", "auto"), cfg.engine.get("dequantize_gguf", False)
     shape = target_shape(cfg.model)
