@@ -182,8 +182,11 @@ def run_serve(args: argparse.Namespace) -> int:
     except SystemExit as e:  # SIGTERM while loading
         return int(e.code or 0)
 
+    # /v1/models: the id is the file or directory name; `root` the model as given (as vLLM's), so the default
+    # model shows its name, not where it sits in site-packages
+    root = str(model) if model else engine.loaded.path.name
     settings = ServerSettings(
-        served_model_name=args.served_model_name or engine.loaded.path.name, model_path=str(engine.loaded.path),
+        served_model_name=args.served_model_name or engine.loaded.path.name, model_path=root,
         api_key=api_key, max_queue_size=args.max_queue_size, max_body_bytes=args.max_body_bytes,
         max_n=args.max_n, max_request_fanout=args.max_request_fanout, shutdown_timeout_s=args.shutdown_timeout)
     app = build_app(engine, settings)
