@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(slots=True)
 class LoadedModel:
     model: TargetModel
