@@ -192,7 +192,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_gemv = None  # tied head: GEMV config set by tercel.kernels.gemv_tune
         self.lm_head_fused = None  # GemvConfig: final RMSNorm in the lm_head GEMV's prologue (batch-1 decode)
         self.lm_head_fused_rows: dict = {}  # row bucket -> GemvConfig: the same for small-M forwards
-        self.rope = RotaryEmbedding(cfg, max_positions, dtype)
+        # built on the meta device by the loader, the table comes from init_buffers on the real one: a meta
+        # arange costs seconds of lazy torch imports at every start
+        self.rope = None if torch.empty(0).is_meta else RotaryEmbedding(cfg, max_positions, dtype)
         if attn_backend is None:
             from ..attention.torch_ref import TorchAttentionBackend
 
