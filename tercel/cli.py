@@ -13,6 +13,7 @@ from .cli_args import (
     engine_config_from_args,
     fail,
     sampling_params,
+    start_checks,
 )
 from .config import ConfigError, EngineConfig
 
@@ -28,19 +29,18 @@ def speculative_kwargs(args: argparse.Namespace) -> dict:
     return {k: v for k, v in EngineConfig(speculative=spec).to_kwargs().items() if k.startswith("speculative_")}
 
 
-def prompt_ids(args: argparse.Namespace, config: EngineConfig):
-    """Read the checkpoint's config and tokenizer (not its weights) and tokenize the prompt: a prompt or
-    --max-model-len the model cannot take fails here, in seconds, not after the weights load."""
-    from .loader.model_loader import checked_max_model_len, read_checkpoint
+def prompt_ids(args: argparse.Namespace, config: EngineConfig, ckpt):
+    """Read the checkpoint's tokenizer (not its weights) and tokenize the prompt: a prompt or --max-model-len
+    the model cannot take fails here, in seconds, not after the weights load."""
+    from .loader.model_loader import checked_max_model_len
     from .loader.tokenizer import load_tokenizer
 
-    ckpt = read_checkpoint(config.model.model)
     try:
         max_len = checked_max_model_len(ckpt.config, config.model.max_model_len)
     except ConfigError:
         raise ConfigError(f"--max-model-len {config.model.max_model_len}: exceeds the model's "
                           f"max_position_embeddings={ckpt.config.max_position_embeddings}; lower it") from None
-    tokenizer = load_tokenizer(ckpt.path, ckpt.is_gguf)
+    tokenizer = load_tokenizer(ckpt.path, ckpt.is_gguf, ckpt.cache if config.model.load_cache else None)
     if args.prompt is not None:
         ids = tokenizer.encode(args.prompt)
         source = "--prompt"
@@ -56,13 +56,35 @@ def prompt_ids(args: argparse.Namespace, config: EngineConfig):
     return tokenizer, ids
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from . import LLM
+def spec_summary(engine, mean_accept_length: float | None) -> str:
+    """The speculative part of the summary line: algorithm, draft shape, tokens verified per step (the
+    worker's: DFLASH / DDTREE take theirs from the draft checkpoint at load time), acceptance, widths."""
+    if engine.spec is None:
+        return ""
+    cfg = engine.spec_config
+    n = engine.spec.num_draft_tokens
+    if cfg.algorithm == "DFLASH":
+        shape = f"block of {n}"
+    elif cfg.algorithm == "DDTREE":
+        shape = f"tree of {cfg.ddtree_budget} draft nodes"
+    else:
+        shape = "chain" if cfg.topk == 1 else f"tree topk {cfg.topk}"
+    spec = (f" | {cfg.algorithm} ({shape}, {n} tokens/verify): mean accept length {mean_accept_length:.2f}"
+            if mean_accept_length is not None else f" | {cfg.algorithm}: no verify steps")
+    widths = engine.spec_stats().width_histogram
+    if widths:  # adaptive: steps per verified width (1: a plain decode step)
+        spec += " | widths " + " ".join(f"{w}:{n}" for w, n in sorted(widths.items()))
+    return spec
 
+
+def cmd_generate(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args, model=args.model)
     params = sampling_params(args)
-    tokenizer, prompt = prompt_ids(args, config)
-    llm = LLM(config, tokenizer=tokenizer)
+    ckpt = start_checks(config)
+    tokenizer, prompt = prompt_ids(args, config, ckpt)
+    from . import LLM  # the engine (torch): after every check
+
+    llm = LLM(config, tokenizer=tokenizer, checkpoint=ckpt)
     start = time.perf_counter()
     last = None
     for out in llm.stream(prompt, params):
@@ -74,16 +96,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     m = last.metrics
     ttft = (m.time_to_first_token or 0.0) * 1000
     rate = m.decode_tokens_per_s
-    spec = ""
-    if llm.engine.spec is not None:
-        cfg = llm.engine.spec_config
-        shape = "chain" if cfg.topk == 1 else f"tree topk {cfg.topk}"
-        mal = m.mean_accept_length
-        spec = (f" | {cfg.algorithm} ({shape}, {cfg.num_draft_tokens} tokens/verify): mean accept length "
-                f"{mal:.2f}" if mal is not None else f" | {cfg.algorithm}: no verify steps")
-        widths = llm.engine.spec_stats().width_histogram
-        if widths:  # adaptive: steps per verified width (1: a plain decode step)
-            spec += " | widths " + " ".join(f"{w}:{n}" for w, n in sorted(widths.items()))
+    spec = spec_summary(llm.engine, m.mean_accept_length)
     print(f"\n-- {m.num_generated_tokens} tokens in {elapsed:.2f} s | TTFT {ttft:.0f} ms | decode "
           f"{rate:.1f} tok/s | finish: {last.outputs[0].finish_reason}{spec}" if rate else
           f"\n-- {m.num_generated_tokens} tokens in {elapsed:.2f} s | finish: {last.outputs[0].finish_reason}{spec}",
@@ -131,7 +144,10 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = CliParser(prog="tercel", description="Tercel: fast speculative-decoding LLM inference.")
+    parser.add_argument("--version", action="version", version=f"tercel {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt and print a speed summary",
                          description="Generate text. With neither --prompt nor --chat, chats a demo question "
@@ -209,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # the engine's start lines (what dtype="auto" picked, GPU tuning): one or two lines, worth seeing
     logging.getLogger("tercel.engine").setLevel(logging.INFO)
+    logging.getLogger("tercel.cli").setLevel(logging.INFO)  # the start line, at once
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # the sub-command's parser reports it, with its own usage

@@ -6,9 +6,11 @@ one-line error naming the flag: `tercel generate: error: --max-model-len 0: must
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 from .config import ConfigError, EngineConfig, Setting, settings
@@ -32,7 +34,7 @@ class CliParser(argparse.ArgumentParser):
 
 
 def flag(s: Setting) -> str:
-    return "--" + ("no-" if s.option.negate else "") + s.kwarg.replace("_", "-")
+    return flag_name(("no_" if s.option.negate else "") + s.kwarg)
 
 
 def _value_parser(s: Setting) -> Callable[[str], Any]:
@@ -73,7 +75,7 @@ def add_engine_options(parser: argparse.ArgumentParser, defaults: dict[str, Any]
         o = s.option
         if o.parse is None:  # a switch
             g.add_argument(flag(s), dest=s.kwarg, action="store_false" if o.negate else "store_true",
-                           default=default, help=o.help)
+                           default=default, help=o.off_help if o.negate else o.help)
             continue
         metavar = o.metavar or ("{" + ",".join(o.choices) + "}" if o.choices else _METAVARS.get(o.parse))
         g.add_argument(flag(s), dest=s.kwarg, type=_value_parser(s), default=default, metavar=metavar, help=o.help)
@@ -132,6 +134,77 @@ def engine_config_from_args(args: argparse.Namespace, **settings_: Any) -> Engin
     validated with the flags' spelling in its errors."""
     kw = {s.kwarg: getattr(args, s.kwarg) for s in settings(EngineConfig) if s.option.cli and hasattr(args, s.kwarg)}
     return EngineConfig.from_kwargs(**kw, **settings_).validate(cli_spelling)
+
+
+def cli_message(message: str) -> str:
+    """An engine error as a command line reads it: `speculative_algorithm=EAGLE` -> `--speculative-algorithm EAGLE`."""
+    names = "|".join(sorted((s.kwarg for s in settings(EngineConfig) if s.option.cli), key=len, reverse=True))
+    return re.sub(rf"\b({names})\b(=)?", lambda m: flag_name(m.group(1)) + (" " if m.group(2) else ""), message)
+
+
+def flag_name(kwarg: str) -> str:
+    return "--" + kwarg.replace("_", "-")
+
+
+def check_speculative(config: EngineConfig, default_model: bool) -> None:
+    """The speculative flags and the draft / token-map paths they name, before any weight loads: a
+    ConfigError naming the flag and the fix. AUTO takes the bundled draft (or none), or the EAGLE3 draft named."""
+    from .speculative.config import SpecConfig
+
+    sp = config.speculative
+    if (sp.algorithm or "").upper() == "AUTO":  # the bundled EAGLE3 draft or none; a draft named is an EAGLE3 one
+        algorithm = "EAGLE3"
+        draft = Path(sp.draft_model_path).expanduser() if sp.draft_model_path is not None else None
+    else:
+        try:
+            cfg = SpecConfig.resolve(sp.algorithm, sp.draft_model_path, sp.num_steps, sp.eagle_topk,
+                                     sp.num_draft_tokens, default_model, sp.ddtree_budget, sp.token_map)
+        except ConfigError as e:
+            raise ConfigError(cli_message(str(e).rstrip("."))) from None
+        if cfg is None:
+            if sp.draft_model_path is not None:
+                raise ConfigError(f"--speculative-draft-model-path {sp.draft_model_path} is set but speculative "
+                                  f"decoding is off; pass --speculative-algorithm EAGLE3 (or EAGLE, DFLASH, DDTREE) "
+                                  f"with it, or drop it")
+            return
+        algorithm, draft = cfg.algorithm, cfg.draft_model_path
+    if sp.draft_model_path is not None:
+        kind = "a DFlash" if algorithm in ("DFLASH", "DDTREE") else f"an {algorithm}"
+        if draft is None or not draft.is_dir() or not (draft / "config.json").is_file():
+            what = "no such directory" if draft is None or not draft.exists() else \
+                "not a directory" if not draft.is_dir() else "no config.json there"
+            raise ConfigError(f"--speculative-draft-model-path {sp.draft_model_path}: {what}; give {kind} draft "
+                              f"directory (config.json + model.safetensors, e.g. from `tercel train-draft`)"
+                              + (", or drop the flag for the default model's bundled draft" if default_model else ""))
+        if not any(draft.glob("*.safetensors")):
+            raise ConfigError(f"--speculative-draft-model-path {sp.draft_model_path}: no .safetensors weights there; "
+                              f"give {kind} draft directory (config.json + model.safetensors)")
+    if sp.token_map is not None and not Path(sp.token_map).expanduser().is_file():
+        raise ConfigError(f"--speculative-token-map {sp.token_map}: no such file; give a .pt or .json list of "
+                          f"token ids, or drop the flag")
+
+
+def start_checks(config: EngineConfig):
+    """Every check that needs no weights, in seconds, with a start line first: the model path, the speculative
+    flags and draft paths, the checkpoint's config (read once, from the load cache after the first start,
+    and passed on to the engine). Returns the Checkpoint."""
+    from .loader import cache
+    from .loader.paths import default_model_path, resolve_model_path
+
+    path = resolve_model_path(config.model.model)
+    try:
+        default_model = path.resolve() == default_model_path().resolve()
+    except ConfigError:
+        default_model = False
+    check_speculative(config, default_model)
+    first = (path.is_file() and config.model.load_cache
+             and not (cache.entry_dir(path) / "metadata.json").is_file())
+    note = (f" (first start with this file: preparing it, kept under {cache.cache_root()} so later starts skip "
+            f"that)" if first else "")
+    logging.getLogger("tercel.cli").info("loading %s%s", path.name, note)
+    from .loader.model_loader import read_checkpoint  # torch: after the start line
+
+    return read_checkpoint(path, config.model.load_cache)
 
 
 def fail(args: argparse.Namespace, message: str) -> int:

@@ -133,14 +133,18 @@ DTYPE_NAMES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat1
 
 
 def _check_dtype(v: object, spell: Spelling) -> str | None:
+    if isinstance(v, str) and v in DTYPE_NAMES:  # a flag's text: no torch import while parsing
+        return None
     import torch
 
-    if isinstance(v, torch.dtype) or v in DTYPE_NAMES:
+    if isinstance(v, torch.dtype):
         return None
     return f"is not supported; use one of {', '.join(DTYPE_NAMES)}"
 
 
 def _check_device(v: object, spell: Spelling) -> str | None:
+    if isinstance(v, str) and v in ("auto", "cpu"):  # a flag's text: no torch import while parsing
+        return None
     import torch
 
     if isinstance(v, torch.device):
@@ -177,6 +181,11 @@ class ModelLoadConfig:
                                        check=positive_int(optional=True))
     dequantize_gguf: bool = option(False, "run a GGUF's 4-bit matrices as dense ones (bf16 on CPU keeps Q4_0/Q4_1 "
                                           "4-bit by default)", check=boolean)
+    load_cache: bool = option(True, "keep what a GGUF costs to prepare (its metadata, tokenizer and the weights as "
+                                    "the CPU runs them) under $TERCEL_CACHE_DIR (default ~/.cache/tercel), so later "
+                                    "starts skip it (default on)", check=boolean, negate=True,
+                              off_help="neither read nor write the load cache ($TERCEL_CACHE_DIR, default "
+                                       "~/.cache/tercel): prepare the checkpoint from scratch")
     skip_tokenizer_init: bool = option(False, "load no tokenizer (prompts as token ids)", check=boolean, cli=False)
     progress: bool = option(True, "show a progress bar while loading", check=boolean, cli=False)
 
@@ -232,10 +241,12 @@ class CudaGraphConfig:
 class KernelConfig:
     """kernels: CPU threads, GPU kernel tuning"""
 
-    tune_gemv: bool = option(True, "(flag: --no-tune-gemv turns it off) measure cuBLAS against the Triton GEMVs "
-                                   "at start and keep the faster per shape (GPU, bf16/fp16)",
-                             check=boolean, negate=True)
-    threads: int | None = option(None, "CPU threads for PyTorch's kernels (default: PyTorch's choice)",
+    tune_gemv: bool = option(True, "measure cuBLAS against the Triton GEMVs at start and keep the faster per shape "
+                                   "(GPU, bf16/fp16; default on)", check=boolean, negate=True,
+                             off_help="skip measuring cuBLAS against the Triton GEMVs at start and use cuBLAS for "
+                                      "every batch-1 linear (GPU, bf16/fp16)")
+    threads: int | None = option(None, "CPU threads for PyTorch's kernels (default: one per physical core this "
+                                       "process may use, not per hyperthread; OMP_NUM_THREADS if set)",
                                  parse=parse_int, check=positive_int(optional=True))
 
 

@@ -50,6 +50,9 @@ OVERRIDES: dict[str, EnvOverride] = {
               "given (keeps the secret off the command line)", kind="environment"),
     "TERCEL_RESULTS_DIR": EnvOverride(
         None, "where `tercel bench` writes its JSON and PNGs when --out-dir is not given", kind="environment"),
+    "TERCEL_CACHE_DIR": EnvOverride(
+        None, "where the load cache lives (default $XDG_CACHE_HOME/tercel or ~/.cache/tercel; --no-load-cache "
+              "turns it off)", kind="environment"),
     "TERCEL_COMMIT": EnvOverride(
         None, "the commit `tercel bench` records in its results when the checkout has no .git (a copied tree)",
         kind="environment"),

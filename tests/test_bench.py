@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,13 +20,16 @@ from tercel.speculative.worker import SpecStats
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+def bench(*args: str, timeout: float = 600, cwd: Path = REPO, path_first: tuple[Path, ...] = ()
+          ) -> subprocess.CompletedProcess:
+    """`python -m tercel bench ARGS` in cwd; path_first: directories put before the project on sys.path."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*map(str, path_first), str(REPO),
+                                                       *filter(None, [os.environ.get("PYTHONPATH")])]))
     env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
     env.pop("TERCEL_COMMIT", None)
     # one intra-op thread: CI machines are small and shared, and spinning OpenMP threads slow each other down
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-m", "tercel", "bench", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tercel", "bench", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -74,6 +78,21 @@ def test_bad_flags_fail_fast_with_one_line():
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--dflash-draft DIR" in r.stderr, r.stderr
     r = bench("serve", "--base-url", "http://127.0.0.1:9", "--request-rate", "1", timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --base-url"), r.stderr
+
+
+def test_without_matplotlib_bench_fails_at_once_naming_the_extra(tmp_path):
+    blocker = tmp_path / "blocked"
+    (blocker / "matplotlib").mkdir(parents=True)
+    (blocker / "matplotlib" / "__init__.py").write_text("raise ImportError('matplotlib is blocked for this test')\n")
+    for args in (("offline", "--model", "llama-tiny", "--algorithms", "plain", "--concurrency", "1"),
+                 ("serve", "--base-url", "http://127.0.0.1:9", "--request-rate", "1")):
+        start = time.perf_counter()
+        r = bench(*args, timeout=120, cwd=tmp_path, path_first=(blocker,))
+        elapsed = time.perf_counter() - start
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert "pip install 'tercel[bench]'" in r.stderr and "--no-plots" in r.stderr, r.stderr
+        assert elapsed < 10, f"the missing extra was found after {elapsed:.1f} s"
+        assert list(tmp_path.iterdir()) == [blocker], "nothing is written"
 
 
 # ---- offline ------------------------------------------------------------------------------------------------
@@ -131,8 +150,9 @@ def test_offline_sweep_on_smollm2(tmp_path):
 def test_offline_random_shape_with_hf_peer(tmp_path):
     """A random-weight shape (no tokenizer: token ids both ways) and the HF peers, on the CPU."""
     r = bench("offline", "--model", "llama-tiny", "--algorithms", "plain", "--concurrency", "1", "--output-len",
-              "6", "--kv-cache-memory", "16000000", "--hf-peers", "--no-plots", "--out-dir", str(tmp_path))
+              "6", "--kv-cache-memory", "16000000", "--hf-peers", "--no-plots", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    # no --output-dir: the current directory (not the checkout's benchmarks/results)
     d = json.loads((tmp_path / "bench_offline_llama-tiny_cpu.json").read_text())
     res = d["result"]
     assert res["model"].startswith("llama-tiny shape, random weights") and "token ids" in res["prompts"]

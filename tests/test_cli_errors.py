@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -160,6 +161,42 @@ def test_threads_flag_reaches_the_engine_config():
 
     assert engine_config_from_args(build_parser().parse_args(["generate", "--threads", "3"])).kernel.threads == 3
     assert engine_config_from_args(build_parser().parse_args(["generate"])).kernel.threads is None
+
+
+SPEC_MISTAKES = [
+    (["--speculative-algorithm", "EAGLE"],
+     ["--speculative-algorithm EAGLE needs --speculative-draft-model-path", "a draft directory"]),
+    (["--speculative-draft-model-path", "/nope"], ["--speculative-draft-model-path /nope"]),  # and below
+    (["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/nope"],
+     ["--speculative-draft-model-path /nope: no such directory", "a DFlash draft directory"]),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-token-map", "/nope.json"],
+     ["--speculative-token-map /nope.json: no such file"]),
+]
+
+
+@BOTH
+@pytest.mark.parametrize("flags,needles", SPEC_MISTAKES, ids=["eagle-no-draft", "missing-draft", "dflash-missing",
+                                                               "missing-token-map"])
+def test_speculative_mistakes_fail_before_loading(capsys, cmd, flags, needles):
+    err = one_line_error(capsys, [cmd, *flags, "--device", "cpu"], *needles)
+    if flags == ["--speculative-draft-model-path", "/nope"]:  # generate: AUTO's EAGLE3 draft; serve: no algorithm
+        assert ("no such directory" in err if cmd == "generate" else
+                "speculative decoding is off; pass --speculative-algorithm EAGLE3" in err), err
+
+
+@BOTH
+@pytest.mark.parametrize("flags,needles", SPEC_MISTAKES[:2], ids=["eagle-no-draft", "missing-draft"])
+def test_speculative_mistakes_fail_in_seconds_without_torch(cmd, flags, needles):
+    """As a user runs it, in a fresh process: the error comes before torch is even imported, in <= 3 s."""
+    probe = ("import sys; from tercel.cli import main; code = main(sys.argv[1:]); "
+             "print('torch imported' if 'torch' in sys.modules else 'no torch'); sys.exit(code)")
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", probe, cmd, *flags], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    elapsed = time.perf_counter() - start
+    assert out.returncode == 2 and out.stdout.strip() == "no torch", (out.stdout, out.stderr)
+    assert all(n in out.stderr for n in needles), out.stderr
+    assert elapsed <= 3.0, f"took {elapsed:.1f} s"
 
 
 def test_python_dash_m_tercel_is_the_cli():

@@ -38,6 +38,9 @@ def test_models_and_health(server, client, model_id):
     models = client.models.list().data
     assert [m.id for m in models] == [model_id]
     assert model_id == "SmolLM2-135M-Instruct.Q4_1.gguf"  # the model file name
+    with http_client(base_url=server.base_url, timeout=30.0, headers=server.headers()) as http:
+        card = http.get("/v1/models").json()["data"][0]
+    assert card["root"] == model_id  # the default model: its name, not its path in site-packages
     assert client.models.retrieve(model_id).id == model_id
     assert client.models.retrieve("default").id == model_id
     with pytest.raises(openai.NotFoundError):

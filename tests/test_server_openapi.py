@@ -54,6 +54,26 @@ def test_openapi_json_and_docs_sit_behind_the_api_key(server, http):
     assert r.status_code == 200 and "/openapi.json" in r.text
 
 
+def test_models_show_the_model_name_as_id_and_the_model_as_given_as_root(http):
+    model = tiny_server_args()[0]  # the server was started with this directory
+    card = http.get("/v1/models").json()["data"][0]
+    assert card["id"] == Path(model).name and card["root"] == model  # vLLM: root is the model argument
+    assert http.get(f"/v1/models/{card['id']}").json() == card
+
+
+def test_docs_page_is_self_contained_and_lists_every_route(http, spec):
+    """/docs works offline: no script or stylesheet from elsewhere, and every route of /openapi.json is on it."""
+    r = http.get("/docs")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    page = r.text
+    assert "<script" not in page and "http://" not in page and "https://" not in page, "an external asset"
+    for path, item in spec["paths"].items():
+        for method in item:
+            assert f'id="{method}-{path}"' in page, (method, path)
+    for name in spec["components"]["schemas"]:
+        assert f'id="schema-{name}"' in page, name
+
+
 def test_openapi_json_validates_and_documents_every_route(spec):
     validate(spec)  # raises on anything that is not valid OpenAPI 3
     assert spec["openapi"].startswith("3.")

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 from ..dev_overrides import env
-from .offline import ALGORITHMS, DEFAULT_CONCURRENCY
+from . import ALGORITHMS, DEFAULT_CONCURRENCY
 
-DEFAULT_OUT_DIR = "benchmarks/results"
+BENCH_EXTRA = "pip install 'tercel[bench]'"  # the figures' dependency (matplotlib)
 PROMPT_ROOM = 128  # the held-out prompts in a chat template stay under this many tokens
 # what `bench offline` sets per point instead of taking generate's flag: the algorithm and its draft, and the
 # output length (--output-len)
@@ -141,26 +141,27 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 def _add_output_args(p: argparse.ArgumentParser, mode: str) -> None:
     o = p.add_argument_group("output")
-    o.add_argument("--out-dir", default=None,
-                   help=f"where the JSON and PNGs go (default: env TERCEL_RESULTS_DIR or {DEFAULT_OUT_DIR})")
+    o.add_argument("--output-dir", "--out-dir", dest="out_dir", default=None,
+                   help="where the JSON and PNGs go (default: env TERCEL_RESULTS_DIR, else the current directory)")
     stem = "bench_offline_<model>_<cpu|gpu>" if mode == "offline" else "bench_serve_<label or model id>"
     o.add_argument("--name", default=None, help=f"file name stem (default: {stem})")
     o.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG figures")
 
 
-def _can_plot(args) -> bool:
+def check_plotting(args) -> str | None:
+    """The figures need matplotlib (the `bench` extra): asked before the run, not after it."""
     if not args.plots:
-        return False
+        return None
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("warning: matplotlib is not installed, so no PNGs (pip install matplotlib)", file=sys.stderr)
-        return False
-    return True
+        return (f"the PNG figures need matplotlib, which is not installed: {BENCH_EXTRA} "
+                f"(or pass --no-plots for the table and JSON only).")
+    return None
 
 
 def _out_dir(args) -> Path:
-    return Path(args.out_dir or env("TERCEL_RESULTS_DIR") or DEFAULT_OUT_DIR)
+    return Path(args.out_dir or env("TERCEL_RESULTS_DIR") or ".")
 
 
 def _prog(argv0: str) -> str:
@@ -241,7 +242,7 @@ def _model_stem(model: str | None) -> str:
 
 
 def run_offline_cmd(args) -> int:
-    problem = check_offline_args(args)
+    problem = check_offline_args(args) or check_plotting(args)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -266,7 +267,7 @@ def run_offline_cmd(args) -> int:
 
     # rewritten after every point: a run stopped by a time limit keeps what it measured
     result = run_offline(cfg, on_progress=lambda partial: save(partial, complete=False))
-    if _can_plot(args):
+    if args.plots:
         from .plots import plot_accept_histogram, plot_speedup
 
         for key, fn in (("speedup_png", plot_speedup), ("accept_histogram_png", plot_accept_histogram)):
@@ -285,6 +286,10 @@ def run_serve_cmd(args) -> int:
     from .report import serve_table, write_json
     from .serve import ServeConfig, freeze, held_out_conversations, load_prompts, run_serve_bench
 
+    problem = check_plotting(args)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if not args.base_url.startswith(("http://", "https://")):
         print(f"error: --base-url {args.base_url}: give a URL such as http://127.0.0.1:30000.", file=sys.stderr)
         return 2
@@ -317,7 +322,7 @@ def run_serve_cmd(args) -> int:
     stem = args.name or f"bench_serve_{_model_stem(args.label or model)}"
     out = _out_dir(args)
     files = {}
-    if _can_plot(args):
+    if args.plots:
         from .plots import plot_serve_latency
 
         path = plot_serve_latency(results, f"{label} at {args.base_url}", out / f"{stem}_latency.png")

@@ -18,13 +18,12 @@ import torch
 from tqdm import tqdm
 
 from ..sampling_options import CLI_TEMPERATURE
+from . import DEFAULT_CONCURRENCY
 from .environment import copy_bandwidth, weight_bytes
 from .shapes import target_shape
 
 log = logging.getLogger(__name__)
 
-ALGORITHMS = ("NONE", "NGRAM", "EAGLE", "EAGLE3", "DFLASH", "DDTREE")
-DEFAULT_CONCURRENCY = (1, 4, 16, 64, 128, 256)
 SHAPE_MAX_MODEL_LEN = 4096  # random-weight shapes: their configs allow 128k, which sizes a huge RoPE table
 SHAPE_PROMPT_LEN = 32
 
@@ -168,10 +167,12 @@ def timed_pass(llm, run: Callable[[], list], device: torch.device) -> PassResult
 # ---- the sweep --------------------------------------------------------------------------------------------
 def load_target(cfg: OfflineConfig):
     """The model, loaded once for every algorithm's engine."""
+    from ..cpu_threads import apply_threads
     from ..engine import resolve_device
     from ..loader.model_loader import load_model, read_checkpoint, resolve_dtype
     from .shapes import random_loaded
 
+    apply_threads(cfg.engine.get("threads"))  # the load's packing too, not only the engines' steps
     device = resolve_device(cfg.engine.get("device", "auto"))
     dtype, dequantize = cfg.engine.get("dtype", "auto"), cfg.engine.get("dequantize_gguf", False)
     shape = target_shape(cfg.model)

@@ -63,8 +63,10 @@ def rank_device(device: torch.device, local_rank: int) -> torch.device:
 def share_cpu_threads(config: EngineConfig, device: torch.device, size: int) -> None:
     """On CPU the ranks share this host's cores: each takes its share (unless threads= is set), else
     every rank's thread pool spins on every core and a step runs several times slower."""
+    from ..cpu_threads import physical_cores
+
     if device.type == "cpu":
-        threads = config.kernel.threads or max(1, (os.cpu_count() or 1) // size)
+        threads = config.kernel.threads or max(1, physical_cores() // size)
         torch.set_num_threads(threads)
 
 

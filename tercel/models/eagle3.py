@@ -159,8 +159,12 @@ class EagleDraftModel(nn.Module):
             self.fc = Linear(2 * lc.hidden_size, lc.hidden_size, bias=True)
             self.layers = nn.ModuleList(DecoderLayer(lc, i) for i in range(lc.num_layers))
             self.layers[0].input_layernorm = None  # EAGLE skips the first layer's input norm
-        self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size), persistent=False)
-        self.rope = RotaryEmbedding(lc, max_positions, dtype)
+        # on the meta device (load_eagle_draft) both come after to_empty: a meta arange costs seconds of lazy
+        # torch imports at every start
+        on_meta = torch.empty(0).is_meta
+        self.register_buffer("draft_to_target", torch.empty(cfg.draft_vocab_size, dtype=torch.long) if on_meta
+                             else torch.arange(cfg.draft_vocab_size), persistent=False)
+        self.rope = None if on_meta else RotaryEmbedding(lc, max_positions, dtype)
         self.hot_head: Linear | None = None  # restrict_vocab: the head rows of the hot tokens only
 
     @property

@@ -182,14 +182,19 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.max_positions = max_positions
         self.rope_dtype = dtype
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # no random init (load_weights fills every parameter): on the meta device normal_'s first call costs
+        # seconds of lazy torch imports at every start
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head_gemv = None  # tied head: GEMV config set by tercel.models.gemv_tuning
         self.lm_head_fused = None  # GemvConfig: final RMSNorm in the lm_head GEMV's prologue (batch-1 decode)
         self.lm_head_fused_rows: dict = {}  # row bucket -> GemvConfig: the same for small-M forwards
-        self.rope = RotaryEmbedding(cfg, max_positions, dtype)
+        # built on the meta device by the loader, the table comes from init_buffers on the real one: a meta
+        # arange costs seconds of lazy torch imports at every start
+        self.rope = None if torch.empty(0).is_meta else RotaryEmbedding(cfg, max_positions, dtype)
         if attn_backend is None:
             from ..attention.torch_ref import TorchAttentionBackend
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -35,6 +35,7 @@ from starlette.requests import ClientDisconnect
 from ..engine import LLMEngine
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
+from .docs_page import render_docs
 from .engine_loop import ABORTED, AsyncEngine, EngineFailure, EngineRequest, QueueFullError, RequestGroup
 from .metrics import ServerMetrics
 from .openapi import build_openapi
@@ -764,7 +765,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings, owns_engine: bool = F
             server._tok_pool.shutdown(wait=False, cancel_futures=True)
 
     # /openapi.json and /docs sit behind the API key like every route but /health.
-    app = FastAPI(title="Tercel", lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    app = FastAPI(title="Tercel", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.server = server
     app.add_api_route("/v1/completions", _guard(server.completions), methods=["POST"])
     app.add_api_route("/v1/chat/completions", _guard(server.chat_completions), methods=["POST"])
@@ -773,6 +774,11 @@ def build_app(engine: LLMEngine, settings: ServerSettings, owns_engine: bool = F
     app.add_api_route("/health", _guard(server.health), methods=["GET"])
     app.add_api_route("/metrics", _guard(server.metrics_endpoint), methods=["GET"])
     app.openapi = build_openapi(app, OPEN_PATHS, settings.api_key is not None)  # type: ignore[method-assign]
+
+    async def docs(request: Request) -> Response:  # self-contained: no CDN, so it works offline
+        return HTMLResponse(render_docs(app.openapi()))
+
+    app.add_api_route("/docs", _guard(docs), methods=["GET"], include_in_schema=False)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -13,7 +13,7 @@ import logging
 import signal
 import sys
 
-from ..cli_args import CliParser, add_engine_options, engine_config_from_args, fail
+from ..cli_args import CliParser, add_engine_options, engine_config_from_args, fail, start_checks
 from ..dev_overrides import env
 from ..options import parse_size
 
@@ -90,7 +90,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds an idle keep-alive connection stays open (default 5)")
     s.add_argument("--shutdown-timeout", type=_positive_float, default=5.0,
                    help="seconds running requests get to finish after SIGTERM before they are aborted (default 5)")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the server's log level (default info)")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_engine_options(p)
 
@@ -139,7 +140,7 @@ def run_serve(args: argparse.Namespace) -> int:
     model = args.model_opt or args.model_pos
     try:  # every setting checked, and the checkpoint's config read, before anything heavy loads
         config = engine_config_from_args(args, model=model, progress=sys.stderr.isatty())
-        check_checkpoint(config)
+        checkpoint = check_checkpoint(config)
     except ConfigError as e:
         return fail(args, str(e).rstrip("."))
     # SIGTERM before uvicorn takes over (imports, model load), or re-raised by uvicorn after its graceful
@@ -173,7 +174,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     api_key = args.api_key or env("TERCEL_API_KEY") or None
     try:
-        engine = engine_module.LLMEngine(config)
+        engine = engine_module.LLMEngine(config, checkpoint=checkpoint)
         if engine.tokenizer is None:
             raise ConfigError("the model has no tokenizer; the server needs one to handle text.")
     except (ConfigError, ValueError) as e:
@@ -181,8 +182,11 @@ def run_serve(args: argparse.Namespace) -> int:
     except SystemExit as e:  # SIGTERM while loading
         return int(e.code or 0)
 
+    # /v1/models: the id is the file or directory name; `root` the model as given (as vLLM's), so the default
+    # model shows its name, not where it sits in site-packages
+    root = str(model) if model else engine.loaded.path.name
     settings = ServerSettings(
-        served_model_name=args.served_model_name or engine.loaded.path.name, model_path=str(engine.loaded.path),
+        served_model_name=args.served_model_name or engine.loaded.path.name, model_path=root,
         api_key=api_key, max_queue_size=args.max_queue_size, max_body_bytes=args.max_body_bytes,
         max_n=args.max_n, max_request_fanout=args.max_request_fanout, shutdown_timeout_s=args.shutdown_timeout)
     app = build_app(engine, settings, owns_engine=True)
@@ -220,18 +224,21 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_checkpoint(config) -> None:
-    """The model path and its config.json / GGUF metadata, and --max-model-len against it: seconds, not
-    the minutes a large model's weights take to load before the same error."""
+def check_checkpoint(config):
+    """The model path, the speculative flags and draft paths, its config.json / GGUF metadata, and
+    --max-model-len against it: seconds, not the minutes a large model's weights take to load before the
+    same error. Returns the Checkpoint, for the engine."""
     from ..config import ConfigError
-    from ..loader.model_loader import checked_max_model_len, read_checkpoint
 
-    cfg = read_checkpoint(config.model.model).config
+    ckpt = start_checks(config)
+    from ..loader.model_loader import checked_max_model_len  # torch: after the checks that need none
+    cfg = ckpt.config
     try:
         checked_max_model_len(cfg, config.model.max_model_len)
     except ConfigError:
         raise ConfigError(f"--max-model-len {config.model.max_model_len}: exceeds the model's "
                           f"max_position_embeddings={cfg.max_position_embeddings}; lower it") from None
+    return ckpt
 
 
 def main(argv: list[str] | None = None) -> int:
