@@ -39,13 +39,14 @@ class Option:
     cli: bool = True  # False: Python API only (e.g. a progress bar, a tokenizer object)
     negate: bool = False  # a switch whose flag turns a True default off: --no-NAME
     metavar: str | None = None
+    both_flags: bool = False  # a switch with both spellings: --NAME and --no-NAME
 
 
 def option(default: Any, help: str, *, parse: Callable[[str], Any] | None = None, check: Check | None = None,
            choices: tuple[str, ...] | None = None, cli: bool = True, negate: bool = False,
-           metavar: str | None = None) -> Any:
+           metavar: str | None = None, both_flags: bool = False) -> Any:
     """A dataclass field carrying its Option (see dataclasses.field's metadata)."""
-    meta = Option(help, parse, check, choices, cli, negate, metavar)
+    meta = Option(help, parse, check, choices, cli, negate, metavar, both_flags)
     if isinstance(default, (list, dict, set)):
         return field(default_factory=lambda: type(default)(default), metadata={"option": meta})
     return field(default=default, metadata={"option": meta})
