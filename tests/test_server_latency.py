@@ -11,7 +11,7 @@ import statistics
 import time
 
 import pytest
-from server_harness import async_http_client, running_server
+from server_harness import async_http_client, http_client, running_server, tiny_server_args
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -21,14 +21,17 @@ SMALL = {"prompt": "The capital of France is", "max_tokens": 4, "ignore_eos": Tr
 NUM_SMALL = 21
 
 
-@pytest.fixture(scope="module")
-def server():
-    yield from running_server("--max-n", "5", with_reference=False)
+SERVER_ARGS = ("--max-n", "5", "--kv-cache-memory", "256MiB")  # SmolLM2, fp32 (the harness's default)
 
 
-@pytest.fixture(scope="module")
-def server_2048():
-    yield from running_server("--max-n", "5", "--max-num-batched-tokens", "2048", with_reference=False)
+def _with_server(*args: str):
+    """Start a server, yield it, stop it (one SmolLM2 server at a time on this small machine)."""
+    gen = running_server(*args, with_reference=False)
+    srv = next(gen)
+    try:
+        yield srv
+    finally:
+        next(gen, None)
 
 
 async def _post(ac, url: str, body: dict) -> tuple[int, float]:
@@ -63,11 +66,37 @@ def _scenario(srv) -> tuple[float, list[float], float]:
     return out
 
 
-def test_small_requests_beside_a_near_cap_fanout(server, server_2048):
-    fan_s, small, small_done = _scenario(server)
+def test_small_requests_beside_a_near_cap_fanout():
+    for srv in _with_server(*SERVER_ARGS):
+        fan_s, small, small_done = _scenario(srv)
     median = statistics.median(small)
     assert small_done < fan_s, (small_done, fan_s)  # they ran while the fan-out did
     assert median <= 3.0, (median, sorted(small))
-    before_s, before_small, _ = _scenario(server_2048)
+    for srv in _with_server(*SERVER_ARGS, "--max-num-batched-tokens", "2048"):  # the former default budget
+        before_s, before_small, _ = _scenario(srv)
     # the fan-out is not slower than under the former budget (10% for this shared machine's noise)
     assert fan_s <= 1.1 * before_s, (fan_s, before_s, statistics.median(before_small))
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    yield from running_server(*tiny_server_args(), with_reference=False)
+
+
+def test_cached_tokens_in_usage_and_metrics(tiny_server):
+    """A second chat turn reports its cached prompt tokens in usage.prompt_tokens_details and /metrics."""
+    server = tiny_server
+    system = {"role": "system", "content": "You are a terse assistant. " * 8}
+    body = {"messages": [system, {"role": "user", "content": "Name a colour."}], "max_tokens": 4, "temperature": 0}
+    with http_client(base_url=server.base_url, timeout=120.0) as c:
+        first = c.post("/v1/chat/completions", json=body).json()["usage"]
+        body["messages"] += [{"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another."}]
+        second = c.post("/v1/chat/completions", json=body).json()["usage"]
+        stream = c.post("/v1/chat/completions", json=body | {"stream": True, "stream_options": {"include_usage": True}})
+        last = [line for line in stream.text.splitlines() if line.startswith("data: {")][-1]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"] - 16
+    assert '"cached_tokens"' in last and second["prompt_tokens"] > second["prompt_tokens_details"]["cached_tokens"]
+    m = server.metrics()
+    assert m["tercel_prefix_cache_hit_tokens"] >= second["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < m["tercel_prefix_cache_hit_rate"] < 1 and m["tercel_prefix_cache_queried_tokens"] > 0
