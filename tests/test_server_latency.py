@@ -21,7 +21,7 @@ SMALL = {"prompt": "The capital of France is", "max_tokens": 4, "ignore_eos": Tr
 NUM_SMALL = 21
 
 
-SERVER_ARGS = ("--max-n", "5", "--kv-cache-memory", "256MiB")  # SmolLM2, fp32 (the harness's default)
+SERVER_ARGS = ("--max-n", "5", "--kv-cache-memory", "256MiB", "--max-model-len", "2048")  # SmolLM2, fp32
 
 
 def _with_server(*args: str):
