@@ -6,6 +6,8 @@ block. Units: reference counts, LRU eviction of unreferenced cached blocks only,
 lookahead a draft's KV needs."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 from spec_utils import spec_llm
 
@@ -127,7 +129,7 @@ def _conversation(llm, turns: int = 3) -> tuple[list[list[int]], list[int]]:
 
 @pytest.mark.parametrize("algo", list(SPEC))
 def test_multi_turn_greedy_output_is_the_same_with_caching_on_and_off(smol_llm, algo):
-    kw = dict(SPEC[algo], max_model_len=1024)
+    kw = dict(SPEC[algo], max_model_len=1024, num_kv_blocks=96)  # a small pool: 1 GiB per engine adds up
     on = spec_llm(smol_llm, enable_prefix_caching=True, **kw)
     off = spec_llm(smol_llm, enable_prefix_caching=False, **kw)
     outs_on, cached_on = _conversation(on)
@@ -143,10 +145,12 @@ def test_multi_turn_greedy_output_is_the_same_with_caching_on_and_off(smol_llm, 
     assert stats.prefix_cache_hit_tokens == sum(cached_on) and 0 < stats.prefix_cache_hit_rate < 1
     if algo != "plain":
         assert on.engine.spec_stats().verify_steps > 0
+    del on, off
+    gc.collect()
 
 
 def test_block_aligned_prompt_fully_cached_still_computes_its_last_token(smol_llm):
-    llm = spec_llm(smol_llm, block_size=16, max_model_len=256)
+    llm = spec_llm(smol_llm, block_size=16, max_model_len=256, num_kv_blocks=32)
     ids = smol_llm.tokenizer.encode("The history of the printing press begins in the fifteenth century " * 4)[:64]
     first = llm.generate(ids, GREEDY)[0]
     again = llm.generate(ids, GREEDY)[0]
