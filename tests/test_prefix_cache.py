@@ -151,7 +151,8 @@ def test_multi_turn_greedy_output_is_the_same_with_caching_on_and_off(smol_llm, 
 
 def test_block_aligned_prompt_fully_cached_still_computes_its_last_token(smol_llm):
     llm = spec_llm(smol_llm, block_size=16, max_model_len=256, num_kv_blocks=32)
-    ids = smol_llm.tokenizer.encode("The history of the printing press begins in the fifteenth century " * 4)[:64]
+    ids = smol_llm.tokenizer.encode("The history of the printing press begins in the fifteenth century " * 8)[:64]
+    assert len(ids) == 64
     first = llm.generate(ids, GREEDY)[0]
     again = llm.generate(ids, GREEDY)[0]
     assert again.num_cached_tokens == 48  # 3 of the 4 blocks: the 4th holds the token whose logits are needed
