@@ -73,6 +73,10 @@ def add_engine_options(parser: argparse.ArgumentParser, defaults: dict[str, Any]
         g = groups[s.section]
         default = defaults.get(s.kwarg, s.default)
         o = s.option
+        if o.parse is None and o.both_flags:  # --NAME and --no-NAME
+            g.add_argument("--" + s.kwarg.replace("_", "-"), dest=s.kwarg, action=argparse.BooleanOptionalAction,
+                           default=default, help=o.help)
+            continue
         if o.parse is None:  # a switch
             g.add_argument(flag(s), dest=s.kwarg, action="store_false" if o.negate else "store_true",
                            default=default, help=o.off_help if o.negate else o.help)

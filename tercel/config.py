@@ -202,6 +202,10 @@ class CacheConfig:
                                          check=positive_int(optional=True), metavar="SIZE")
     gpu_memory_utilization: float = option(0.85, "fraction of free GPU memory for the KV cache (default 0.85)",
                                            parse=parse_float, check=fraction)
+    enable_prefix_caching: bool = option(True, "share full KV blocks across requests by content, so a prompt "
+                                               "starting like an earlier one skips that prefix (default on; "
+                                               "--no-enable-prefix-caching turns it off)", check=boolean, negate=True,
+                                         both_flags=True)
 
 
 @dataclass(slots=True)
@@ -210,8 +214,10 @@ class SchedulerConfig:
 
     max_num_seqs: int = option(256, "most requests running at once (default 256)", parse=parse_int,
                                check=positive_int())
-    max_num_batched_tokens: int = option(2048, "token budget per step, for chunked prefill (default 2048)",
-                                         parse=parse_int, check=positive_int())
+    max_num_batched_tokens: int | None = option(
+        None, "prefill tokens per step (chunked prefill); running requests' decode tokens go on top (default sized "
+              "to the device: 256 on a CPU, 2048-8192 on a GPU by its memory)", parse=parse_int,
+        check=positive_int(optional=True))
     num_scheduler_steps: int = option(1, "decode steps run back to back per host sync (default 1; e.g. 8 on a GPU)",
                                       parse=parse_int, check=_check_scheduler_steps)
     disable_overlap_schedule: bool | None = option(
@@ -311,6 +317,7 @@ class EngineConfig:
     num_kv_blocks = property(lambda self: self.cache.num_kv_blocks)
     kv_cache_memory = property(lambda self: self.cache.kv_cache_memory)
     gpu_memory_utilization = property(lambda self: self.cache.gpu_memory_utilization)
+    enable_prefix_caching = property(lambda self: self.cache.enable_prefix_caching)
     max_num_seqs = property(lambda self: self.scheduler.max_num_seqs)
     max_num_batched_tokens = property(lambda self: self.scheduler.max_num_batched_tokens)
     seed = property(lambda self: self.scheduler.seed)

@@ -43,6 +43,7 @@ from .kv import KVCacheSpec, PagedKVCache, num_kv_blocks, slot_of
 from .loader.model_loader import Checkpoint, DtypeChoice, LoadedModel, load_model, read_checkpoint, resolve_dtype
 from .loader.tokenizer import Tokenizer
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .prefix_cache import PrefixCache
 from .request import Request
 from .sampling import Sampler, SamplingTensors, greedy_tokens, sample_rows, stream_keys
 from .sampling_params import RequestOutputKind, SamplingParams
@@ -101,16 +102,36 @@ def engine_config(model: "str | Path | EngineConfig | None", config: EngineConfi
     return copy.deepcopy(config)  # the engine fills in resolved values (max_model_len, AUTO speculation)
 
 
+def default_batched_tokens(device: torch.device) -> int:
+    """The per-step token budget (chunked prefill) for this device, when max_num_batched_tokens is unset.
+    A step's time grows with its tokens, and every running request's next token waits for the step: on a
+    CPU a 256-token step takes about as long as a decode step of a large batch; a GPU absorbs far more per
+    step (sizes as vLLM and SGLang pick them by memory)."""
+    if device.type != "cuda":
+        return 256
+    total = torch.cuda.get_device_properties(device).total_memory
+    return 8192 if total >= 60 << 30 else 4096 if total >= 20 << 30 else 2048
+
+
 @dataclass(slots=True)
 class EngineStats:
     num_running: int
     num_waiting: int
     kv_blocks_total: int
-    kv_blocks_free: int
+    kv_blocks_free: int  # free, or cached with no request holding them
+    kv_blocks_cached: int = 0  # of the free ones: cached (a prefix hit reuses them; evicted under pressure)
+    prefix_cache_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0  # of those, found there
 
     @property
     def kv_blocks_used(self) -> int:
+        """Blocks some request holds (0 when idle; cached blocks nobody holds count as free)."""
         return self.kv_blocks_total - self.kv_blocks_free
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        q = self.prefix_cache_queried_tokens
+        return None if not q else self.prefix_cache_hit_tokens / q
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -206,6 +227,7 @@ class LLMEngine:
                 f"the KV pool holds {usable_tokens} tokens, fewer than max_model_len={self.config.max_model_len}: "
                 f"raise kv_cache_memory / num_kv_blocks or lower max_model_len."
             )
+        sched.max_num_batched_tokens = sched.max_num_batched_tokens or default_batched_tokens(self.device)
         self.scheduler = Scheduler(self.kv.allocator, block_size, sched.max_num_seqs, sched.max_num_batched_tokens)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
@@ -221,6 +243,11 @@ class LLMEngine:
             self, sp.algorithm, sp.draft_model_path, sp.num_steps, sp.eagle_topk, sp.num_draft_tokens,
             default_model=default_model, ddtree_budget=sp.ddtree_budget, token_map=sp.token_map,
             adaptive=check_adaptive(sp.adaptive))
+        if config.cache.enable_prefix_caching:  # after the drafter: its KV decides when a block is final
+            drafter = self.spec.drafter if self.spec is not None else None
+            self.scheduler.prefix_cache = PrefixCache(
+                self.kv.allocator, block_size, lookahead=drafter.kv_lookahead if drafter is not None else 0,
+                draft_kv=drafter is not None and drafter.has_kv)
         # GPU fast path (tercel.graphs): decode steps replay CUDA graphs captured now; inputs go up in one copy.
         self.graph_runner = None
         self._stager = None
@@ -430,7 +457,9 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         a = self.kv.allocator
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), a.num_usable, a.num_free)
+        pc = self.scheduler.prefix_cache
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), a.num_usable, a.num_free,
+                           a.num_cached_free, pc.stats.queried_tokens if pc else 0, pc.stats.hit_tokens if pc else 0)
 
     # ---- the step ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -735,4 +764,5 @@ class LLMEngine:
         completion = CompletionOutput(index=0, text=text, token_ids=token_ids, finish_reason=req.finish_reason,
                                       stop_reason=req.stop_reason, logprobs=lps)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished, req.metrics,
-                             delta_text=delta_text, delta_token_ids=delta_ids)
+                             num_cached_tokens=req.metrics.num_cached_tokens, delta_text=delta_text,
+                             delta_token_ids=delta_ids)

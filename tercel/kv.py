@@ -5,6 +5,7 @@ so they can never touch a live request's KV.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,30 +17,90 @@ DUMMY_BLOCK = 0
 
 
 class BlockAllocator:
+    """Reference-counted blocks. A block whose KV the prefix cache published (tercel.prefix_cache) keeps
+    its content key when its last holder lets go: it stays findable by that key, and is evicted (oldest
+    first) only when a fresh block is needed and the free list is empty."""
+
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
             raise ConfigError(f"KV pool has {num_blocks} blocks; at least 2 are needed (one is reserved).")
         self.num_blocks = num_blocks
         # LIFO free list: recently freed (cache-warm) blocks are reused first.
         self._free: list[int] = list(range(num_blocks - 1, DUMMY_BLOCK, -1))
+        self._refs = [0] * num_blocks
+        self._key: list[bytes | None] = [None] * num_blocks
+        self._by_key: dict[bytes, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced: least recently freed first
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks allocate() can hand out: free ones and cached ones no request holds."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_free(self) -> int:
+        """Cached blocks no request holds (reusable by a prefix hit, evictable under pressure)."""
+        return len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks findable by content, held or not."""
+        return len(self._by_key)
 
     @property
     def num_usable(self) -> int:
         return self.num_blocks - 1
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise MemoryError(f"asked for {n} KV blocks, {len(self._free)} free")
-        out = self._free[len(self._free) - n:]
-        del self._free[len(self._free) - n:]
-        return out[::-1]
+        if n > self.num_free:
+            raise MemoryError(f"asked for {n} KV blocks, {self.num_free} free")
+        take = min(n, len(self._free))
+        out = self._free[len(self._free) - take:][::-1]
+        del self._free[len(self._free) - take:]
+        for _ in range(n - take):
+            block, _ = self._evictable.popitem(last=False)
+            del self._by_key[self._key[block]]
+            self._key[block] = None
+            self.num_evictions += 1
+            out.append(block)
+        for b in out:
+            self._refs[b] = 1
+        return out
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        """Drop one reference to each block; the last tail block goes first (evicted before the head)."""
+        released = []
+        for b in reversed(blocks):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                if self._key[b] is not None:
+                    self._evictable[b] = None
+                else:
+                    released.append(b)
+        self._free.extend(released)
+
+    # ---- content keys (the prefix cache) ------------------------------------------------------
+    def lookup(self, key: bytes) -> int | None:
+        return self._by_key.get(key)
+
+    def is_evictable(self, block: int) -> bool:
+        return block in self._evictable
+
+    def share(self, block: int) -> None:
+        """One more holder of a cached block (a prefix hit)."""
+        self._refs[block] += 1
+        self._evictable.pop(block, None)
+
+    def publish(self, block: int, key: bytes) -> None:
+        """Make a held, fully written block findable by key. A key already cached (two requests computed
+        the same content at once) keeps its first block; this one stays private and is freed as usual."""
+        if self._key[block] is None and key not in self._by_key:
+            self._key[block] = key
+            self._by_key[key] = block
+
+    def ref_count(self, block: int) -> int:
+        return self._refs[block]
 
 
 @dataclass(slots=True)

@@ -40,15 +40,16 @@ class Option:
     negate: bool = False  # a switch whose flag turns a True default off: --no-NAME
     metavar: str | None = None
     off_help: str | None = None  # a negated switch: its --no-NAME flag's help (what turning it off does)
+    both_flags: bool = False  # a switch with both spellings: --NAME and --no-NAME
 
 
 def option(default: Any, help: str, *, parse: Callable[[str], Any] | None = None, check: Check | None = None,
            choices: tuple[str, ...] | None = None, cli: bool = True, negate: bool = False,
-           metavar: str | None = None, off_help: str | None = None) -> Any:
+           metavar: str | None = None, off_help: str | None = None, both_flags: bool = False) -> Any:
     """A dataclass field carrying its Option (see dataclasses.field's metadata)."""
-    if negate and cli and off_help is None:
+    if negate and cli and off_help is None and not both_flags:
         raise TypeError("a negated switch needs off_help: its --no-NAME flag's help")
-    meta = Option(help, parse, check, choices, cli, negate, metavar, off_help)
+    meta = Option(help, parse, check, choices, cli, negate, metavar, off_help, both_flags)
     if isinstance(default, (list, dict, set)):
         return field(default_factory=lambda: type(default)(default), metadata={"option": meta})
     return field(default=default, metadata={"option": meta})

@@ -12,6 +12,7 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
     # Speculative decoding (zero when it is off): verify steps, draft tokens proposed and accepted,
     # and a histogram of accepted drafts per verify (index k: k drafts accepted, so k + 1 tokens).
     spec_verify_steps: int = 0
@@ -72,6 +73,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's RequestOutput field)
     # Streaming: the text and token ids added since the previous output of this request.
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)

@@ -27,6 +27,12 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    # prefix caching (tercel.prefix_cache): the content keys of the full blocks hashed so far, how many
+    # leading blocks of block_table are published (or came from the cache), and the leading positions whose
+    # draft KV (EAGLE, DFlash: in the target's slots) is written
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_published_blocks: int = 0
+    draft_kv_len: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -1,4 +1,5 @@
-"""Continuous batching: FCFS admission, chunked prefill under a per-step token budget, and
+"""Continuous batching: FCFS admission (each request starting after its longest cached prefix,
+tercel.prefix_cache), chunked prefill under a per-step prefill-token budget, decodes going first and outside it, and
 preemption by recompute when KV blocks run out (the newest running request gives its blocks back
 and re-enters the queue; it is never dropped)."""
 from __future__ import annotations
@@ -7,6 +8,7 @@ import collections
 from dataclasses import dataclass
 
 from .kv import BlockAllocator
+from .prefix_cache import PrefixCache
 from .request import Request, RequestStatus
 
 
@@ -30,11 +32,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, prefix_cache: PrefixCache | None = None) -> None:
         self.allocator = allocator
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefix_cache = prefix_cache  # None: prefix caching off
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
 
@@ -49,28 +52,50 @@ class Scheduler:
         return max(0, -(-total // self.block_size) - len(req.block_table))
 
     def _release(self, req: Request) -> None:
+        if self.prefix_cache is not None:  # what it computed stays findable after it lets go
+            self.prefix_cache.publish(req)
         self.allocator.free(req.block_table)
         req.block_table = []
+        req.num_published_blocks = 0
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
-        req.num_computed_tokens = 0  # recompute prompt + output on readmission
+        req.num_computed_tokens = 0  # recompute prompt + output on readmission (prefix hits spare most of it)
+        req.draft_kv_len = 0
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def _newest_unscheduled(self, scheduled: set[int]) -> Request:
+        for j in range(len(self.running) - 1, -1, -1):
+            if id(self.running[j]) not in scheduled:
+                return self.running.pop(j)
+        raise AssertionError("the request being scheduled is always unscheduled")
+
     def schedule(self, extra_tokens_per_request: int = 0) -> SchedulerOutput:
-        """extra_tokens_per_request: KV slots reserved beyond the computed tokens (speculative verify)."""
+        """extra_tokens_per_request: KV slots reserved beyond the computed tokens (speculative verify).
+        Every running request that decodes goes first, outside the token budget: a prefill never holds
+        back another request's next token. Then prefill chunks of running requests, then admissions,
+        under the budget (max_num_batched_tokens: prefill tokens per step)."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        done: set[int] = set()
         preempted: list[Request] = []
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+        pc = self.prefix_cache
+        # stable: decodes (one token left to compute) first, each group in arrival order
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for req in order:
+            if req.status is not RequestStatus.RUNNING:  # preempted for an earlier one this step
+                continue
+            left = req.num_tokens - req.num_computed_tokens
+            if left > 1 and budget <= 0:
+                break
+            if pc is not None:
+                pc.publish(req)
+            n = left if left == 1 else min(left, budget)
             need = self._blocks_needed(req, n + extra_tokens_per_request)
             while need > self.allocator.num_free:
-                victim = self.running.pop()
+                victim = self._newest_unscheduled(done)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -79,22 +104,33 @@ class Scheduler:
                 break
             req.block_table.extend(self.allocator.allocate(need))
             scheduled.append(ScheduledRequest(req, n))
-            budget -= n
-            i += 1
-        if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                need = self._blocks_needed(req, n + extra_tokens_per_request)
-                if need > self.allocator.num_free:
-                    break
-                self.waiting.popleft()
-                req.block_table.extend(self.allocator.allocate(need))
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                scheduled.append(ScheduledRequest(req, n))
+            done.add(id(req))
+            if left > 1:
                 budget -= n
+        if not preempted:
+            self._admit(scheduled, budget, extra_tokens_per_request)
         return SchedulerOutput(scheduled, preempted)
+
+    def _admit(self, scheduled: list[ScheduledRequest], budget: int, extra: int) -> None:
+        """Waiting requests in arrival order, each starting after its longest cached prefix."""
+        pc, a = self.prefix_cache, self.allocator
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits = pc.match(req) if pc is not None else []
+            start = len(hits) * self.block_size
+            n = min(req.num_tokens - start, budget)
+            need = -(-(start + n + extra) // self.block_size) - len(hits)
+            # a hit on a cached block nobody holds takes it off the free count
+            if need + sum(1 for b in hits if a.is_evictable(b)) > a.num_free:
+                break
+            self.waiting.popleft()
+            if pc is not None:
+                pc.take(req, hits)
+            req.block_table.extend(a.allocate(need))
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(ScheduledRequest(req, n))
+            budget -= n
 
     def schedule_decode_window(self, num_steps: int, ahead: int = 0) -> list[ScheduledRequest] | None:
         """Multi-step decode: every running request decodes num_steps tokens back to back, with the KV
@@ -103,12 +139,15 @@ class Scheduler:
         free blocks do not cover the window (a normal step then runs, preempting if it must).
         ahead: positions of an in-flight window (overlap schedule) that come first, reserved already."""
         running = self.running
-        if not running or len(running) > self.max_num_batched_tokens:
+        if not running:
             return None
         if self.waiting and len(running) < self.max_num_seqs:
             return None
         if any(r.num_computed_tokens != r.num_tokens - 1 for r in running):
             return None
+        if self.prefix_cache is not None:
+            for r in running:
+                self.prefix_cache.publish(r)
         needs = [self._blocks_needed(r, ahead + num_steps) for r in running]
         if sum(needs) > self.allocator.num_free:
             return None

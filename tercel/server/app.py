@@ -133,7 +133,8 @@ def _join_delta(prev: RequestOutput | None, out: RequestOutput) -> RequestOutput
                 joined.logprobs = []
             joined.logprobs.extend(c.logprobs)
         joined.finish_reason, joined.stop_reason = c.finish_reason, c.stop_reason
-    return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, [joined], out.finished, out.metrics)
+    return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, [joined], out.finished, out.metrics,
+                         num_cached_tokens=out.num_cached_tokens)
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -478,7 +479,7 @@ class OpenAIServer:
                             "stop_reason": out.outputs[0].stop_reason if out else None})
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": _usage(num_prompt_tokens, completion_tokens),
+            "usage": _usage(num_prompt_tokens, completion_tokens, _cached_tokens(last, req.n)),
         })
 
     async def _stream_completion(self, group: RequestGroup, total: int, req: CompletionRequest, rid: str,
@@ -493,6 +494,7 @@ class OpenAIServer:
             return _sse(obj)
 
         completion_tokens = [0] * total
+        seen: list[RequestOutput | None] = [None] * total  # each completion's latest output (cached tokens)
         offsets = [0] * total
         try:
             if echo_texts:
@@ -507,6 +509,7 @@ class OpenAIServer:
                     continue
                 out: RequestOutput = item
                 c = out.outputs[0]
+                seen[idx] = out
                 completion_tokens[idx] += len(out.delta_token_ids)
                 finish = c.finish_reason if out.finished else None
                 logprobs = None
@@ -517,7 +520,8 @@ class OpenAIServer:
                     yield chunk(idx, out.delta_text, logprobs, finish)
             if include_usage:
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": _usage(num_prompt_tokens, sum(completion_tokens))})
+                            "choices": [], "usage": _usage(num_prompt_tokens, sum(completion_tokens),
+                                                           _cached_tokens(seen, req.n))})
             yield _SSE_DONE
         finally:
             group.abort()
@@ -617,7 +621,7 @@ class OpenAIServer:
                             "stop_reason": c.stop_reason if c else None})
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": _usage(len(ids), completion_tokens),
+            "usage": _usage(len(ids), completion_tokens, _cached_tokens(last, req.n)),
         })
 
     async def _stream_chat(self, group: RequestGroup, n: int, rid: str, model: str, created: int,
@@ -630,6 +634,7 @@ class OpenAIServer:
             return _sse(obj)
 
         completion_tokens = [0] * n
+        seen: list[RequestOutput | None] = [None] * n  # each completion's latest output (cached tokens)
         try:
             for i in range(n):
                 yield chunk(i, {"role": "assistant", "content": ""})
@@ -642,6 +647,7 @@ class OpenAIServer:
                     continue
                 out: RequestOutput = item
                 c = out.outputs[0]
+                seen[idx] = out
                 completion_tokens[idx] += len(out.delta_token_ids)
                 finish = c.finish_reason if out.finished else None
                 lp = None
@@ -652,7 +658,8 @@ class OpenAIServer:
                     yield chunk(idx, {"content": out.delta_text} if out.delta_text else {}, lp, finish)
             if include_usage:
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [], "usage": _usage(num_prompt_tokens, sum(completion_tokens))})
+                            "choices": [], "usage": _usage(num_prompt_tokens, sum(completion_tokens),
+                                                           _cached_tokens(seen, n))})
             yield _SSE_DONE
         finally:
             group.abort()
@@ -682,8 +689,15 @@ class OpenAIServer:
         return Response(body, media_type=content_type)
 
 
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    """cached: prompt tokens served from the prefix cache (each prompt counted once, as prompt_tokens is)."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _cached_tokens(outs: list[RequestOutput | None], n: int) -> int:
+    """Per prompt, the cached tokens of its first completion (outs: n completions per prompt, in order)."""
+    return sum(o.num_cached_tokens for o in outs[::n] if o is not None)
 
 
 async def _wait_for_disconnect(request: Request) -> None:

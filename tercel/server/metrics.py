@@ -29,6 +29,12 @@ class ServerMetrics:
         self.waiting = g("num_requests_waiting", "Engine requests waiting to be scheduled.")
         self.kv_blocks_used = g("kv_blocks_used", "KV-cache blocks in use.")
         self.kv_blocks_total = g("kv_blocks_total", "KV-cache blocks usable by requests.")
+        self.kv_blocks_cached = g("kv_blocks_cached", "KV-cache blocks no request holds that keep a cached prefix "
+                                  "(reused by a prefix hit, evicted when the pool needs room).")
+        self.prefix_cache_queries = g("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = g("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.")
+        self.prefix_cache_hit_rate = g("prefix_cache_hit_rate", "Prefix-cache hit tokens / queried tokens "
+                                       "(0 before any query).")
         self.ttft = h("time_to_first_token_seconds", "From request arrival to its first token.", TTFT_BUCKETS)
         self.itl = h("inter_token_latency_seconds", "Time between successive tokens of a request.", LATENCY_BUCKETS)
         self.e2e = h("e2e_request_latency_seconds", "From request arrival to its last token.", TTFT_BUCKETS)
@@ -58,6 +64,10 @@ class ServerMetrics:
         self.waiting.set_function(lambda: stats().num_waiting + pending())
         self.kv_blocks_used.set_function(lambda: stats().kv_blocks_used)
         self.kv_blocks_total.set_function(lambda: stats().kv_blocks_total)
+        self.kv_blocks_cached.set_function(lambda: stats().kv_blocks_cached)
+        self.prefix_cache_queries.set_function(lambda: stats().prefix_cache_queried_tokens)
+        self.prefix_cache_hits.set_function(lambda: stats().prefix_cache_hit_tokens)
+        self.prefix_cache_hit_rate.set_function(lambda: stats().prefix_cache_hit_rate or 0.0)
 
     def observe_spec_accept(self, algorithm: str, accept_length: int, count: int = 1) -> None:
         """count verify steps that each emitted accept_length tokens (accepted drafts + the bonus token)."""

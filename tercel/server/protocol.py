@@ -148,10 +148,15 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 FinishReason = Literal["stop", "length", "abort"]

@@ -179,4 +179,5 @@ class ChainLoop:
             if r.finish_reason is None:
                 r.spec_state = EagleState(r.num_computed_tokens, out.hidden[i].clone(), out.logits[i].clone(),
                                           out.first[i].clone())
+                r.draft_kv_len = r.num_computed_tokens
                 self.worker._free_unused_blocks(r)

@@ -68,6 +68,7 @@ def build_ddtree(logprobs: torch.Tensor, tokens: torch.Tensor, root: int, budget
 
 class DFlashDrafter(Drafter):
     capture_hidden_mode = CaptureHiddenMode.FULL
+    has_kv = True  # the context cache: position p's K/V from the target's state at p (no lookahead)
 
     def __init__(self, engine: SpecEngine, draft: DFlashDraftModel, block_size: int,
                  tree_budget: int | None, tree_topk: int = 4) -> None:
@@ -116,7 +117,7 @@ class DFlashDrafter(Drafter):
         self.draft.inject_context(hidden[torch.tensor(rows, device=dev)],
                                   torch.tensor(positions, device=dev), torch.tensor(slots, device=dev), self.cache)
         for r, rng in reqs_positions:
-            self._state(r).context_len = rng.stop
+            self._state(r).context_len = r.draft_kv_len = rng.stop
 
     def after_extend(self, chunks: list[ExtendedChunk], hidden: torch.Tensor | None) -> None:
         assert hidden is not None, "DFlash needs the target's FULL hidden states"

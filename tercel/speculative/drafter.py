@@ -45,6 +45,11 @@ class Drafter:
     aux_layer_ids: tuple[int, ...] = ()
     # True when proposals may branch (verify then needs tree masks)
     uses_trees: bool = False
+    # prefix caching (tercel.prefix_cache): the drafter keeps KV in the target pool's slots, written for
+    # positions < Request.draft_kv_len (a block is shared only once that covers it), and the KV at position p
+    # also depends on the tokens up to p + kv_lookahead
+    has_kv: bool = False
+    kv_lookahead: int = 0
 
     def init_graphs(self, config: "GraphConfig", max_blocks: int) -> None:
         """Capture the drafter's own steps (draft loop, draft_extend) for every bucket; default: none."""

@@ -98,6 +98,8 @@ class _PrefixAttention:
 
 class EagleDrafter(Drafter):
     capture_hidden_mode = CaptureHiddenMode.FULL
+    has_kv = True
+    kv_lookahead = 1  # the draft row at p pairs the target's state at p with the token at p + 1
 
     def __init__(self, engine: SpecEngine, model: EagleDraftModel, num_steps: int, topk: int,
                  num_draft_tokens: int, token_map: Path | None = None) -> None:
@@ -198,6 +200,7 @@ class EagleDrafter(Drafter):
         first = self._to_target(logits.argmax(-1))
         for i, r in enumerate(reqs):
             r.spec_state = EagleState(starts[i] + len(ids[i]), h_last[i], logits[i], first[i])
+            r.draft_kv_len = starts[i] + len(ids[i])
 
     def after_extend(self, chunks: list[ExtendedChunk], hidden: torch.Tensor | None) -> None:
         reqs = [c.request for c in chunks]
@@ -231,6 +234,7 @@ class EagleDrafter(Drafter):
         h, logits, first = out.hidden.clone(), out.logits.clone(), out.first.clone()
         for i, r in enumerate(reqs):
             r.spec_state = EagleState(r.num_computed_tokens, h[i], logits[i], first[i])
+            r.draft_kv_len = r.num_computed_tokens
 
     # ---- graphs --------------------------------------------------------------------------
     def init_graphs(self, config: GraphConfig, max_blocks: int) -> None:
