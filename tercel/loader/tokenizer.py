@@ -18,6 +18,11 @@ class Tokenizer:
         self.eos_token_id: int | None = hf_tokenizer.eos_token_id
         self.vocab_size = len(hf_tokenizer)
 
+    @property
+    def backend(self) -> Any:
+        """The transformers tokenizer (structured output compiles grammars against its vocabulary)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
 
