@@ -192,6 +192,8 @@ class LLMEngine:
         self.model = loaded.model
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        if m.chat_template is not None and self.tokenizer is not None:
+            self.tokenizer.set_chat_template(m.chat_template)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         m.max_model_len = m.max_model_len or self.model.max_positions
         self.config = config
@@ -386,6 +388,8 @@ class LLMEngine:
 
     def grammar_backend(self):
         """Structured output's compiler for this tokenizer (tercel.structured), built on first use."""
+        if self._grammars is not None:
+            return self._grammars
         with self._lock:
             if self._grammars is None:
                 if self.tokenizer is None:
