@@ -192,7 +192,8 @@ class LLMEngine:
         self.model = loaded.model
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        if m.chat_template is not None and self.tokenizer is not None:
+        if m.chat_template is not None and self.tokenizer is not None:  # a copy: the loaded model may be shared
+            self.tokenizer = copy.copy(self.tokenizer)
             self.tokenizer.set_chat_template(m.chat_template)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         m.max_model_len = m.max_model_len or self.model.max_positions

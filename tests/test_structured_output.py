@@ -133,6 +133,21 @@ def test_bad_constraints_name_the_problem(smol_llm):
         StructuredOutputsParams(choice=[])
 
 
+def test_chat_template_override_file_and_inline(smol_llm, tmp_path):
+    from tercel.config import ConfigError
+
+    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    tok = smol_llm.tokenizer
+    for value in (str(path), template):
+        llm = spec_llm(smol_llm, chat_template=value)
+        assert llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == tok.encode("[user]hi\n")
+    assert tok.chat_template != template  # the shared model's own tokenizer keeps its template
+    with pytest.raises(ConfigError, match="neither a file nor a Jinja template"):
+        spec_llm(smol_llm, chat_template="no-such-file.jinja")
+
+
 # ---- no model: the tree masks on a toy vocabulary --------------------------------------------------------
 TOY_VOCAB = ["a", "b", "c", "ab", "ba", "x", "</s>"]
 
