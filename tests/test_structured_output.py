@@ -86,23 +86,29 @@ def test_200_sampled_completions_validate(smol_llm, name):
         assert llm.engine.spec_stats().accepted_tokens > 0  # drafts were verified under the masks, and kept
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name,kw", [
-    ("eagle3", {}), ("eagle3", dict(speculative_eagle_topk=4, speculative_num_draft_tokens=8)), ("ngram", {}),
-], ids=["eagle3-chain", "eagle3-tree8", "ngram"])
-def test_greedy_constrained_spec_equals_plain(smol_llm, name, kw):
+@pytest.fixture(scope="module")
+def greedy_case(smol_llm):
+    """Prompts, constraints (5 schemas, a regex, a choice) and their plain greedy constrained outputs."""
     prompts = _prompts(smol_llm)
     params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": s}) for s in SCHEMAS]
     params.append(SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": r"(ab|cd){2,5}x"}))
     params.append(SamplingParams(temperature=0, max_tokens=40, structured_outputs={"choice": ["yes", "no"]}))
     prompts += prompts[:2]
     plain = [o.outputs[0].token_ids for o in smol_llm.generate(prompts, params)]
+    for s, ids in zip(SCHEMAS, plain):
+        jsonschema.validate(json.loads(smol_llm.tokenizer.decode(ids)), s)
+    return prompts, params, plain
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,kw", [
+    ("eagle3", {}), ("eagle3", dict(speculative_eagle_topk=4, speculative_num_draft_tokens=8)), ("ngram", {}),
+], ids=["eagle3-chain", "eagle3-tree8", "ngram"])
+def test_greedy_constrained_spec_equals_plain(smol_llm, greedy_case, name, kw):
+    prompts, params, plain = greedy_case
     spec = _engine(smol_llm, name, max_num_seqs=8, **kw)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == plain
     assert spec.engine.spec_stats().verify_steps > 0
-    texts = [smol_llm.tokenizer.decode(p) for p in plain]
-    for s, t in zip(SCHEMAS, texts):
-        jsonschema.validate(json.loads(t), s)
 
 
 def test_choice_regex_and_grammar_on_smol(smol_llm):
