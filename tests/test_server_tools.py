@@ -89,8 +89,9 @@ def test_bad_constraints_are_400s_naming_the_problem(client):
     with pytest.raises(openai.BadRequestError, match="objec"):
         client.chat.completions.create(model="default", messages=ASK, max_tokens=4, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}})
-    with pytest.raises(openai.BadRequestError, match="guided_regex"):
+    with pytest.raises(openai.BadRequestError, match="regex cannot be compiled") as e:
         client.completions.create(model="default", prompt="x", max_tokens=4, extra_body={"guided_regex": "a("})
+    assert e.value.body["param"] == "guided_regex"
     with pytest.raises(openai.BadRequestError, match="one structured-output"):
         client.completions.create(model="default", prompt="x", max_tokens=4,
                                   extra_body={"guided_regex": "a", "guided_choice": ["b"]})
