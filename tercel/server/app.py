@@ -711,7 +711,7 @@ class OpenAIServer:
                 if finish:
                     more_text, more_calls = ts.finish()
                     text, calls = text + more_text, calls + more_calls
-                    if calls and finish == "stop":
+                    if finish == "stop" and (calls or ts.sent_calls):
                         finish = "tool_calls"
                 delta: dict[str, Any] = {}
                 if text:

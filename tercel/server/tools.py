@@ -202,5 +202,6 @@ class ToolStream:
         return out
 
     @property
-    def has_calls(self) -> bool:
-        return self.plan.choice in ("named", "required") or bool(self.plan.parse(self.text).calls)
+    def sent_calls(self) -> bool:
+        """A tool-call delta went out already (a named call streams its arguments as they come)."""
+        return self.started
