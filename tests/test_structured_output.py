@@ -71,7 +71,8 @@ def _engine(smol_llm, name: str, **kw):
 def test_200_sampled_completions_validate(smol_llm, name):
     llm = _engine(smol_llm, name, max_num_seqs=200)
     prompts, params = [], []
-    for k, (schema, prompt) in enumerate(zip(SCHEMAS, _prompts(smol_llm))):
+    short = [smol_llm.tokenizer.encode(f"{q}\nJSON: ") for q in QUESTIONS]  # no chat template: CI time
+    for k, (schema, prompt) in enumerate(zip(SCHEMAS, short)):
         for i in range(PER_SCHEMA):
             prompts.append(prompt)
             params.append(_constrained(schema, temperature=1.0, max_tokens=48, seed=1000 * k + i))
