@@ -131,3 +131,14 @@ def test_fallback_rendering_writes_history_in_the_parser_format():
     msgs, tools = render_messages(history, plan, template_supports_tools=True)
     assert tools == TOOLS and msgs[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
     assert msgs[3]["tool_call_id"] == "call_1"
+
+
+def test_stream_named_sends_arguments_as_they_come():
+    s = ToolStream(ToolPlan(HermesParser(), TOOLS, "named", "get_weather"))
+    assert not s.sent_calls
+    first = s.feed('{"city": ')[1]
+    assert first[0]["function"] == {"name": "get_weather", "arguments": ""} and s.sent_calls
+    rest = s.feed('"Oslo"}')[1] + s.finish()[1]
+    args = "".join(d["function"]["arguments"] for d in first[1:] + rest)
+    assert json.loads(args) == {"city": "Oslo"}
+    assert s.finish() == ("", [])  # nothing twice
