@@ -167,6 +167,12 @@ def _check_scheduler_steps(v: object, spell: Spelling) -> str | None:
     return "must be an integer >= 1 (1: one decode step per host sync; e.g. 8 runs up to 8 decode steps per sync)"
 
 
+def _check_chat_template(v: object, spell: Spelling) -> str | None:
+    if v is None or (isinstance(v, str) and v.strip()):
+        return None
+    return "must be a chat template file path or the template text (Jinja)"
+
+
 @dataclass(slots=True)
 class ModelLoadConfig:
     """model: the checkpoint and how it loads"""
@@ -187,6 +193,8 @@ class ModelLoadConfig:
                               off_help="neither read nor write the load cache ($TERCEL_CACHE_DIR, default "
                                        "~/.cache/tercel): prepare the checkpoint from scratch")
     skip_tokenizer_init: bool = option(False, "load no tokenizer (prompts as token ids)", check=boolean, cli=False)
+    chat_template: str | None = option(None, "a Jinja chat template replacing the tokenizer's: a file path or the "
+                                             "template text", parse=str, check=_check_chat_template)
     progress: bool = option(True, "show a progress bar while loading", check=boolean, cli=False)
 
 

@@ -210,6 +210,9 @@ class LLMEngine:
         self.model = loaded.model
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        if m.chat_template is not None and self.tokenizer is not None:  # a copy: the loaded model may be shared
+            self.tokenizer = copy.copy(self.tokenizer)
+            self.tokenizer.set_chat_template(m.chat_template)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         m.max_model_len = m.max_model_len or self.model.max_positions
         self.config = config
@@ -232,6 +235,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._grammars = None  # structured output's GrammarBackend, built on the first constrained request
         self._lock = threading.RLock()  # add/abort may come from another thread (the server)
         # Speculative decoding (tercel.speculative): None keeps the plain decode path.
         from .speculative import build_spec_worker
@@ -431,12 +435,28 @@ class LLMEngine:
         )
         if params.logprobs is not None:
             req.logprobs = []
+        if params.structured_outputs is not None:
+            req.grammar = self.grammar_backend().state(params.structured_outputs)
         with self._lock:
             if request_id in self.requests:
                 raise ValueError(f"request_id {request_id!r} is already in use.")
             self.requests[request_id] = req
             self.scheduler.add(req)
         return request_id
+
+    def grammar_backend(self):
+        """Structured output's compiler for this tokenizer (tercel.structured), built on first use."""
+        if self._grammars is not None:
+            return self._grammars
+        with self._lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ConfigError("structured output needs a tokenizer; this engine has none.")
+                from .structured.backend import GrammarBackend
+
+                self._grammars = GrammarBackend(self.tokenizer.backend, self.model_config.vocab_size,
+                                                sorted(self.eos_token_ids))
+            return self._grammars
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. Returns False if it is unknown or already done."""
@@ -499,11 +519,13 @@ class LLMEngine:
     @staticmethod
     def _window_eligible(req: Request) -> bool:
         """Can this request's next tokens be chosen on the device, with no host data per step? Not with
-        penalties (they count the tokens just sampled), logprobs (computed per step on the host) or
-        min_tokens still to reach (stop ids masked by count). Sampling is fine: draw k's noise is a hash
+        penalties (they count the tokens just sampled), logprobs (computed per step on the host),
+        min_tokens still to reach (stop ids masked by count) or a grammar (structured output: its mask
+        follows each token on the host). Sampling is fine: draw k's noise is a hash
         of (seed, k), the same whichever step kind makes the draw."""
         p = req.params
-        return not p.has_penalties and p.logprobs is None and len(req.output_token_ids) >= p.min_tokens
+        return (not p.has_penalties and p.logprobs is None and len(req.output_token_ids) >= p.min_tokens
+                and req.grammar is None)
 
     def _window_steps(self, ahead: int = 0) -> int:
         """Forwards the next decode window may run without a host sync; 0: no window (a normal step runs).
@@ -718,6 +740,9 @@ class LLMEngine:
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         req.output_token_ids.append(token)
+        if req.grammar is not None and not req.grammar.accept(token):  # only a masked-out token: min_tokens
+            log.warning("request %s: token %d breaks its grammar; it stops here", req.request_id, token)
+            req.finish_reason = "stop"
         req.metrics.num_generated_tokens = len(req.output_token_ids)
         if logprob is not None and req.logprobs is not None:
             req.logprobs.append(logprob)
@@ -739,6 +764,8 @@ class LLMEngine:
             hit = update_text(req, self.tokenizer)
             if hit is not None and req.finish_reason is None and n >= p.min_tokens:
                 req.finish_reason, req.stop_reason = "stop", hit
+        if req.finish_reason is None and req.grammar is not None and req.grammar.terminated:
+            req.finish_reason = "stop"  # the grammar is complete and accepted its stop token
         if req.finish_reason is None and (n >= p.max_tokens or req.num_tokens >= self.config.max_model_len):
             req.finish_reason = "length"
 

@@ -52,6 +52,7 @@ class Request:
     # token draws come from a counter-based stream: draw k's noise is a hash of (seed, k) (tercel.sampling)
     seed: int = 0
     draws: int = 0
+    grammar: object | None = None  # structured output: the request's GrammarState (tercel.structured.backend)
 
     @property
     def stop_ids_for_min_tokens(self) -> frozenset[int]:

@@ -225,7 +225,13 @@ def sample_batch(logits: torch.Tensor, reqs: list[Request], keys: torch.Tensor |
 
 class Sampler:
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[dict[int, float] | None]]:
-        """logits: [len(reqs), V] float32. Returns token ids and, where asked, logprobs."""
+        """logits: [len(reqs), V] float32. Returns token ids and, where asked, logprobs (of the raw logits).
+        Rows of requests with a grammar choose among the tokens it allows next."""
+        raw = logits
+        if any(r.grammar is not None for r in reqs):
+            from .structured.mask import mask_rows
+
+            logits = mask_rows(logits, [r.grammar for r in reqs])
         tokens: list[int] = []
         logprobs: list[dict[int, float] | None] = []
         greedy_rows = [i for i, r in enumerate(reqs) if r.params.greedy and not r.params.has_penalties
@@ -243,7 +249,8 @@ class Sampler:
             # greedy with penalties / min_tokens: argmax of the processed logits
             tok = chosen[i] if i in chosen else int(processed_logits(row, req).argmax())
             tokens.append(tok)
-            logprobs.append(self._logprobs(row, tok, req.params.logprobs) if req.params.logprobs is not None else None)
+            logprobs.append(self._logprobs(raw[i], tok, req.params.logprobs) if req.params.logprobs is not None
+                            else None)
         return tokens, logprobs
 
     @staticmethod

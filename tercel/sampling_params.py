@@ -5,6 +5,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from .structured.params import StructuredOutputsParams
+
 
 class RequestOutputKind(enum.IntEnum):
     """What the engine's step() returns for a request (vLLM's names): CUMULATIVE, every step, the text
@@ -33,8 +35,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     min_tokens: int = 0
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # a grammar the output must match (tercel.structured): JSON schema, regex, choice, EBNF / Lark, any JSON object
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -63,6 +69,8 @@ class SamplingParams:
              "non-negative token ids"),
             (isinstance(self.output_kind, RequestOutputKind), "output_kind",
              "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)"),
+            (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs", "None, a StructuredOutputsParams or a dict of its fields"),
         ]
         for ok, name, want in checks:
             if not ok:

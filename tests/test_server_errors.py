@@ -124,8 +124,18 @@ BAD_REQUESTS = [
     ("chat_top_logprobs_too_many", CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400,
      "top_logprobs", None),
     ("chat_unknown_model", CHAT, {"model": "nope", "messages": USER}, 400, "model", "model_not_found"),
-    ("chat_tools_unsupported", CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     400, "tools", "unsupported"),
+    ("chat_empty_role", CHAT, {"messages": [{"role": "", "content": "hi"}]}, 400, "messages.0.role", None),
+    ("chat_tool_without_type", CHAT, {"messages": USER, "tools": [{"function": {"name": "f"}}]}, 400,
+     "tools.0.type", None),
+    ("chat_tool_choice_unknown_function", CHAT, {"messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice", None),
+    ("chat_tool_choice_without_tools", CHAT, {"messages": USER, "tool_choice": "required"}, 400, "tool_choice",
+     None),
+    ("chat_bad_json_schema", CHAT, {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objec"}}}}, 400, "response_format", None),
+    ("guided_regex_bad", C, {"prompt": "hi", "guided_regex": "a("}, 400, "guided_regex", None),
+    ("two_constraints", C, {"prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}, 400, "guided_choice",
+     None),
     ("chat_stream_options_wrong_type", CHAT, {"messages": USER, "stream": True, "stream_options": "usage"}, 400,
      "stream_options", None),
 ]

@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.timeout(300)]
 API_KEY = "openapi-key"
 MAX_MODEL_LEN = 64  # keeps every generated completion short
 ROUTES = {("/v1/completions", "post"), ("/v1/chat/completions", "post"), ("/v1/models", "get"),
-          ("/v1/models/{model_id}", "get"), ("/health", "get"), ("/metrics", "get")}
+          ("/v1/models/{model_id}", "get"), ("/health", "get"), ("/metrics", "get"), ("/tokenize", "post"),
+          ("/detokenize", "post")}
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +91,22 @@ def test_openapi_json_validates_and_documents_every_route(spec):
         if method == "post":
             ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
             assert ref.rsplit("/", 1)[1] in schemas
-            for status in ("400", "413", "429", "500", "503"):
+            for status in ("400", "413", "500") + (("429", "503") if path.startswith("/v1/") else ()):
                 assert op["responses"][status]["content"]["application/json"]["schema"]["$ref"].endswith(
                     "/ErrorResponse")
     assert set(schemas["CompletionRequest"]["required"]) == {"prompt"}
     assert set(schemas["ChatCompletionRequest"]["required"]) == {"messages"}
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert chat["messages"]["minItems"] == 1  # the tightened chat schema: no empty conversation ...
+    assert set(schemas["ChatMessage"]["properties"]["role"]["enum"]) == {"system", "user", "assistant", "tool",
+                                                                         "developer"}  # ... and no role ''
+    for name in ("tools", "tool_choice", "parallel_tool_calls", "response_format", "structured_outputs",
+                 "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        assert name in chat, name
+    assert {"structured_outputs", "response_format"} <= set(schemas["CompletionRequest"]["properties"])
+    stream = spec["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]
+    payload = stream["schema"]["properties"]["data"]["oneOf"][1]  # each event's data: a chunk, as JSON
+    assert payload["contentSchema"]["anyOf"][0]["$ref"].endswith("/ChatCompletionStreamResponse")
     assert spec["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
 
 
@@ -116,13 +128,16 @@ def test_real_responses_match_their_schemas(spec, http):
         ("/v1/completions", {"prompt": "hi", "max_tokens": 1000}),  # 400: over the context
         ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2}),  # 400: over --max-request-fanout
         ("/v1/chat/completions", {"messages": []}),
+        ("/v1/chat/completions", {"messages": [{"role": "", "content": "hi"}]}),
+        ("/v1/chat/completions", {"messages": user, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "objec"}}}}),
     ]
     statuses = []
     for path, body in calls:
         r = http.post(path, json=body)
         statuses.append(r.status_code)
         _check(spec, path, "post", r)
-    assert statuses == [200] * 5 + [400] * 3
+    assert statuses == [200] * 5 + [400] * 5
     for path, template in (("/v1/models", "/v1/models"), ("/v1/models/default", "/v1/models/{model_id}"),
                            ("/v1/models/nope", "/v1/models/{model_id}"), ("/health", "/health")):
         _check(spec, template, "get", http.get(path))
@@ -131,7 +146,18 @@ def test_real_responses_match_their_schemas(spec, http):
     assert "text/event-stream" in spec["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
 
 
-def test_schemathesis_finds_no_server_error_and_no_schema_mismatch(server, tmp_path: Path):
+def _chat_200s(http) -> float:
+    """Successful chat completions so far, from the server's request counter."""
+    total = 0.0
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("tercel_requests_total{") and 'endpoint="/v1/chat/completions"' in line \
+                and 'status="200"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_schemathesis_finds_no_server_error_and_no_schema_mismatch(server, http, tmp_path: Path):
+    before = _chat_200s(http)
     st = shutil.which("st", path=os.path.dirname(sys.executable)) or shutil.which("st")
     assert st, "schemathesis is not installed: pip install -e '.[test]'"
     cmd = [st, "run", server.base_url + "/openapi.json", "--header", f"Authorization: Bearer {API_KEY}",
@@ -142,5 +168,8 @@ def test_schemathesis_finds_no_server_error_and_no_schema_mismatch(server, tmp_p
     env = dict(os.environ, NO_PROXY="127.0.0.1", no_proxy="127.0.0.1", SCHEMATHESIS_HOOKS="")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-2000:]
-    assert "passed" in r.stdout and "Operations:       6 selected / 6 total" in r.stdout, r.stdout[-3000:]
+    assert "passed" in r.stdout and "Operations:       8 selected / 8 total" in r.stdout, r.stdout[-3000:]
     assert " ERROR " not in server.log_tail(100_000)
+    chat_ok = _chat_200s(http) - before
+    print(f"schemathesis: {chat_ok:.0f} successful chat completions")
+    assert chat_ok >= 5, r.stdout[-3000:]  # the tightened schema lets the fuzzer reach real completions

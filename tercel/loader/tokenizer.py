@@ -17,9 +17,19 @@ class Tokenizer:
         self._tok = hf_tokenizer
         self.eos_token_id: int | None = hf_tokenizer.eos_token_id
         self.vocab_size = len(hf_tokenizer)
+        self._template: str | None = None  # the --chat-template override
+
+    @property
+    def backend(self) -> Any:
+        """The transformers tokenizer (structured output compiles grammars against its vocabulary)."""
+        return self._tok
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
+
+    def encode_with_special(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """As encode, with the tokenizer's BOS / EOS added where it adds them (/tokenize's add_special_tokens)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -28,10 +38,35 @@ class Tokenizer:
         return self._tok.convert_ids_to_tokens(ids)
 
     @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self._tok, "chat_template", None))
+    def chat_template(self) -> str | None:
+        """The Jinja chat template in use (the --chat-template override, else the tokenizer's)."""
+        return self._template or getattr(self._tok, "chat_template", None) or None
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def set_chat_template(self, template: str) -> None:
+        """Replace the chat template: a file path or the template text itself (vLLM's --chat-template)."""
+        path = Path(template)
+        try:
+            is_file = "\n" not in template and len(template) < 4096 and path.is_file()
+        except OSError:
+            is_file = False
+        if is_file:
+            template = path.read_text()
+        elif "{{" not in template and "{%" not in template:
+            raise ConfigError(f"chat_template={template!r} is neither a file nor a Jinja template ('{{{{' / '{{%').")
+        self._template = template
+
+    @property
+    def supports_tools(self) -> bool:
+        """Does the chat template render a `tools` list itself?"""
+        return "tools" in (self.chat_template or "")
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """tools: OpenAI function specs, for templates that render them (supports_tools)."""
         if not self.has_chat_template:
             raise ConfigError("this model's tokenizer has no chat template; use generate() with a plain prompt.")
         if not messages:
@@ -39,7 +74,10 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"messages[{i}]={m!r} must be a dict with 'role' and 'content'.")
-        out = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        kw: dict[str, Any] = {"tools": tools} if tools else {}
+        if self._template is not None:
+            kw["chat_template"] = self._template
+        out = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kw)
         if hasattr(out, "keys"):
             out = out["input_ids"]
         return list(out)

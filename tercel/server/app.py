@@ -35,6 +35,8 @@ from starlette.requests import ClientDisconnect
 from ..engine import LLMEngine
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
+from ..structured import StructuredOutputError, StructuredOutputsParams
+from .connections import BODY_TIMEOUT_KEY
 from .docs_page import render_docs
 from .engine_loop import ABORTED, AsyncEngine, EngineFailure, EngineRequest, QueueFullError, RequestGroup
 from .metrics import ServerMetrics
@@ -45,18 +47,23 @@ from .protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
+    NamedToolChoice,
+    TokenizeRequest,
     _SamplingFields,
     error_body,
     validation_error_to_api,
 )
+from .structured_request import structured_params
+from .tools import ToolPlan, ToolStream, pick_parser, render_messages
 
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
 ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json",
-                       "/docs"})
+                       "/docs", "/tokenize", "/detokenize"})
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (avoids overflow in logits / T)
 MIN_LOGPROB = -9999.0  # OpenAI's floor; JSON has no -inf
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
@@ -76,6 +83,7 @@ class ServerSettings:
     max_request_fanout: int = 256  # engine requests (prompts x n) one HTTP request may start
     completions_default_max_tokens: int = 16  # OpenAI's default for /v1/completions
     shutdown_timeout_s: float = 5.0  # grace for running requests on SIGTERM
+    tool_call_parser: str | None = None  # hermes, llama3_json, mistral, qwen; None: the chat template's family
 
     @property
     def model_names(self) -> frozenset[str]:
@@ -186,6 +194,7 @@ class OpenAIServer:
         self._tok_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tercel-tok")
         self._tok_str: dict[int, str] = {}
         self._tok_bytes: dict[int, bytes] = {}
+        self.tool_parser = pick_parser(settings.tool_call_parser, self.tokenizer.chat_template)
 
     # ---- helpers --------------------------------------------------------------------------------
     async def _in_tok_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -290,14 +299,25 @@ class OpenAIServer:
                            code="context_length_exceeded")
         return requested
 
+    async def compile_structured(self, so: StructuredOutputsParams | None, param: str | None) -> None:
+        """Compile a request's constraint before it is queued (cached by the engine's grammar backend), so a
+        bad schema, regex or grammar is a 400 naming it."""
+        if so is None:
+            return
+        try:
+            await self._in_tok_thread(lambda: self.engine.grammar_backend().compile(so))
+        except StructuredOutputError as e:
+            raise APIError(400, str(e), param=param, code="invalid_value") from None
+
     def sampling_params(self, req: _SamplingFields, max_tokens: int, logprobs: int | None,
-                        seed: int | None) -> SamplingParams:
+                        seed: int | None, structured: StructuredOutputsParams | None = None) -> SamplingParams:
         # DELTA: each step's output carries only its new tokens (no per-step copy of the whole
         # completion); streams send them as they are, collect() joins them for a full response.
         kw: dict[str, Any] = dict(output_kind=RequestOutputKind.DELTA, max_tokens=max_tokens, logprobs=logprobs,
                                   seed=seed, stop=req.stop,
                                   stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-                                  min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens)
+                                  min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
+                                  structured_outputs=structured)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(req, name)
@@ -431,6 +451,8 @@ class OpenAIServer:
             raise APIError(400, f"At most {self.settings.max_batch_prompts} prompts per request.", param="prompt",
                            code="invalid_value")
         self.check_fanout(len(raw_prompts), req.n)
+        structured, param = structured_params(req)
+        await self.compile_structured(structured, param)
 
         def tokenize() -> list[list[int]]:
             return [self.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in raw_prompts]
@@ -444,7 +466,7 @@ class OpenAIServer:
                                                  self.settings.completions_default_max_tokens)
             for j in range(req.n):
                 seed = None if req.seed is None else req.seed + j
-                params = self.sampling_params(req, max_tokens, req.logprobs, seed)
+                params = self.sampling_params(req, max_tokens, req.logprobs, seed, structured)
                 engine_reqs.append(EngineRequest(f"{rid}-{k * req.n + j}", ids, params))
         echo_texts: list[str] = []
         if req.echo:
@@ -527,11 +549,11 @@ class OpenAIServer:
             group.abort()
 
     # ---- /v1/chat/completions -------------------------------------------------------------------
-    def chat_messages(self, req: ChatCompletionRequest) -> list[dict[str, str]]:
+    def chat_messages(self, req: ChatCompletionRequest) -> list[dict[str, Any]]:
         if not req.messages:
             raise APIError(400, "'messages' is empty: give at least one message.", param="messages",
                            code="invalid_value")
-        out = []
+        out: list[dict[str, Any]] = []
         for i, m in enumerate(req.messages):
             if m.role not in CHAT_ROLES:
                 raise APIError(400, f"messages[{i}].role {m.role!r} is not one of {sorted(CHAT_ROLES)}.",
@@ -548,23 +570,27 @@ class OpenAIServer:
                                             f"{part.type!r}.", param=f"messages.{i}.content", code="unsupported")
                     texts.append(part.text)
                 content = "\n".join(texts)
-            msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
             if m.name is not None:
                 msg["name"] = m.name
+            if m.tool_calls:
+                msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
             out.append(msg)
         return out
 
     async def chat_completions(self, request: Request) -> Response:
         req: ChatCompletionRequest = await self.read_body(request, ChatCompletionRequest)
         self.check_common(req)
-        if req.tools:
-            raise APIError(400, "'tools' are not supported by this server.", param="tools", code="unsupported")
-        if req.tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "'tool_choice' is not supported by this server.", param="tool_choice",
-                           code="unsupported")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError(400, "Only response_format type 'text' is supported.", param="response_format",
-                           code="unsupported")
+        plan = self.tool_plan(req)
+        structured, param = structured_params(req)
+        if plan is not None and plan.constraint() is not None:
+            if structured is not None:
+                raise APIError(400, f"tool_choice {plan.choice!r} constrains the output itself; drop '{param}'.",
+                               param=param, code="invalid_value")
+            structured, param = plan.constraint(), "tools"
+        await self.compile_structured(structured, param)
         top_n = req.top_logprobs
         if top_n is not None and not 0 <= top_n <= MAX_LOGPROBS:
             raise APIError(400, f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}.", param="top_logprobs",
@@ -576,7 +602,8 @@ class OpenAIServer:
         messages = self.chat_messages(req)
 
         def render() -> list[int]:
-            return self.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+            rendered, tools = render_messages(messages, plan, self.tokenizer.supports_tools)
+            return self.tokenizer.apply_chat_template(rendered, req.add_generation_prompt, tools=tools)
 
         try:
             ids = await self._in_tok_thread(render)
@@ -595,7 +622,7 @@ class OpenAIServer:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         engine_reqs = [EngineRequest(f"{rid}-{j}", ids,
                                      self.sampling_params(req, max_tokens, logprobs,
-                                                          None if req.seed is None else req.seed + j))
+                                                          None if req.seed is None else req.seed + j, structured))
                        for j in range(req.n)]
         group = await self.submit(request, engine_reqs)
         model = self.settings.served_model_name
@@ -603,7 +630,7 @@ class OpenAIServer:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _GroupStreamingResponse(
-                self._stream_chat(group, req.n, rid, model, created, logprobs, len(ids), include_usage), group)
+                self._stream_chat(group, req.n, rid, model, created, logprobs, len(ids), include_usage, plan), group)
 
         last, reasons = await self.collect(request, group, req.n)
         choices = []
@@ -616,16 +643,43 @@ class OpenAIServer:
             if logprobs is not None:
                 lp = {"content": self.chat_logprobs(c.token_ids, c.logprobs or [], logprobs) if c else [],
                       "refusal": None}
-            choices.append({"index": i, "message": {"role": "assistant", "content": c.text if c else ""},
-                            "logprobs": lp, "finish_reason": reasons[i],
+            message: dict[str, Any] = {"role": "assistant", "content": c.text if c else ""}
+            reason = reasons[i]
+            if plan is not None and c is not None:
+                parsed = plan.parse(c.text)
+                message = {"role": "assistant", "content": parsed.content,
+                           "tool_calls": plan.openai_calls(parsed.calls)}
+                if parsed.calls and reason == "stop":
+                    reason = "tool_calls"
+            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason,
                             "stop_reason": c.stop_reason if c else None})
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": _usage(len(ids), completion_tokens, _cached_tokens(last, req.n)),
         })
 
+    def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
+        """The request's tools and choice; None without tools."""
+        choice = req.tool_choice
+        if not req.tools:
+            if choice not in (None, "none"):
+                raise APIError(400, "'tool_choice' needs 'tools'.", param="tool_choice", code="invalid_value")
+            return None
+        names = [t.function.name for t in req.tools]
+        if len(set(names)) != len(names):
+            raise APIError(400, f"'tools' has duplicate function names: {sorted(names)}.", param="tools",
+                           code="invalid_value")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise APIError(400, f"tool_choice names function {choice.function.name!r}, which is not in 'tools' "
+                                    f"({', '.join(names)}).", param="tool_choice", code="invalid_value")
+            return ToolPlan(self.tool_parser, tools, "named", choice.function.name, req.parallel_tool_calls)
+        return ToolPlan(self.tool_parser, tools, choice or "auto", None, req.parallel_tool_calls)
+
     async def _stream_chat(self, group: RequestGroup, n: int, rid: str, model: str, created: int,
-                           logprobs: int | None, num_prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+                           logprobs: int | None, num_prompt_tokens: int, include_usage: bool,
+                           plan: ToolPlan | None = None) -> AsyncIterator[str]:
         def chunk(i: int, delta: dict[str, Any], lp: Any = None, finish: str | None = None) -> str:
             obj: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                                    "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
@@ -635,6 +689,7 @@ class OpenAIServer:
 
         completion_tokens = [0] * n
         seen: list[RequestOutput | None] = [None] * n  # each completion's latest output (cached tokens)
+        tool_streams = [ToolStream(plan) for _ in range(n)] if plan is not None else None
         try:
             for i in range(n):
                 yield chunk(i, {"role": "assistant", "content": ""})
@@ -654,8 +709,24 @@ class OpenAIServer:
                 if logprobs is not None and out.delta_token_ids:
                     lp = {"content": self.chat_logprobs(out.delta_token_ids, c.logprobs or [], logprobs),
                           "refusal": None}
-                if out.delta_text or finish or lp:
-                    yield chunk(idx, {"content": out.delta_text} if out.delta_text else {}, lp, finish)
+                if tool_streams is None:
+                    if out.delta_text or finish or lp:
+                        yield chunk(idx, {"content": out.delta_text} if out.delta_text else {}, lp, finish)
+                    continue
+                ts = tool_streams[idx]
+                text, calls = ts.feed(out.delta_text)
+                if finish:
+                    more_text, more_calls = ts.finish()
+                    text, calls = text + more_text, calls + more_calls
+                    if finish == "stop" and (calls or ts.sent_calls):
+                        finish = "tool_calls"
+                delta: dict[str, Any] = {}
+                if text:
+                    delta["content"] = text
+                if calls:
+                    delta["tool_calls"] = calls
+                if delta or finish or lp:
+                    yield chunk(idx, delta, lp, finish)
             if include_usage:
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                             "choices": [], "usage": _usage(num_prompt_tokens, sum(completion_tokens),
@@ -663,6 +734,45 @@ class OpenAIServer:
             yield _SSE_DONE
         finally:
             group.abort()
+
+    # ---- /tokenize, /detokenize (vLLM) ----------------------------------------------------------
+    async def tokenize(self, request: Request) -> Response:
+        req: TokenizeRequest = await self.read_body(request, TokenizeRequest)
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "Give either 'prompt' or 'messages'.", param="prompt", code="invalid_value")
+
+        def run() -> list[int]:
+            if req.messages is not None:
+                chat = ChatCompletionRequest.model_construct(messages=req.messages)
+                return self.tokenizer.apply_chat_template(self.chat_messages(chat), req.add_generation_prompt)
+            return self.tokenizer.encode_with_special(req.prompt, req.add_special_tokens)
+
+        try:
+            ids = await self._in_tok_thread(run)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, f"The chat template rejected the messages: {e}", param="messages",
+                           code="invalid_value") from None
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return JSONResponse(body)
+
+    async def detokenize(self, request: Request) -> Response:
+        req: DetokenizeRequest = await self.read_body(request, DetokenizeRequest)
+        self._check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"'tokens' {bad[:5]} are outside the vocabulary [0, {self.vocab_size}).",
+                           param="tokens", code="invalid_value")
+        text = await self._in_tok_thread(lambda: self.tokenizer.decode(req.tokens, skip_special_tokens=False))
+        return JSONResponse({"prompt": text})
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.settings.model_names:
+            raise APIError(400, f"The model '{model}' does not exist; this server serves "
+                                f"'{self.settings.served_model_name}' (alias 'default').", param="model",
+                           code="model_not_found")
 
     # ---- small endpoints ------------------------------------------------------------------------
     def _card(self) -> ModelCard:
@@ -718,6 +828,8 @@ def _guard(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], 
         except APIError as e:
             return _error_response(e)
         except _ClientGone:
+            if request.scope.get(BODY_TIMEOUT_KEY):  # the connection layer answered 408: count what was answered
+                return Response(status_code=408)
             log.debug("client closed the connection during %s %s", request.method, request.url.path)
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         except Exception:
@@ -783,6 +895,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings, owns_engine: bool = F
     app.state.server = server
     app.add_api_route("/v1/completions", _guard(server.completions), methods=["POST"])
     app.add_api_route("/v1/chat/completions", _guard(server.chat_completions), methods=["POST"])
+    app.add_api_route("/tokenize", _guard(server.tokenize), methods=["POST"])
+    app.add_api_route("/detokenize", _guard(server.detokenize), methods=["POST"])
     app.add_api_route("/v1/models", _guard(server.models), methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", _guard(server.model), methods=["GET"])
     app.add_api_route("/health", _guard(server.health), methods=["GET"])

@@ -16,6 +16,7 @@ import sys
 from ..cli_args import CliParser, add_engine_options, engine_config_from_args, fail, start_checks
 from ..dev_overrides import env
 from ..options import parse_size
+from .tool_parsers import PARSERS
 
 log = logging.getLogger("tercel.server")
 
@@ -90,6 +91,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds an idle keep-alive connection stays open (default 5)")
     s.add_argument("--shutdown-timeout", type=_positive_float, default=5.0,
                    help="seconds running requests get to finish after SIGTERM before they are aborted (default 5)")
+    s.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                   help="how tool calls are written in the model's output (default: from the chat template; "
+                        "hermes for ChatML and templates without tools)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server's log level (default info)")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -188,7 +192,8 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         served_model_name=args.served_model_name or engine.loaded.path.name, model_path=root,
         api_key=api_key, max_queue_size=args.max_queue_size, max_body_bytes=args.max_body_bytes,
-        max_n=args.max_n, max_request_fanout=args.max_request_fanout, shutdown_timeout_s=args.shutdown_timeout)
+        max_n=args.max_n, max_request_fanout=args.max_request_fanout, shutdown_timeout_s=args.shutdown_timeout,
+        tool_call_parser=args.tool_call_parser)
     app = build_app(engine, settings, owns_engine=True)
     server_state = app.state.server
     guard = ConnectionGuard(limits, server_state.metrics)

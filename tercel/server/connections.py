@@ -33,6 +33,7 @@ from .metrics import ServerMetrics
 from .protocol import error_body
 
 log = logging.getLogger(__name__)
+BODY_TIMEOUT_KEY = "tercel.body_timeout"  # set in the ASGI scope of a request whose body timed out
 
 FD_RESERVE = 64  # file descriptors beside client sockets: model files, the listener, logs, threads
 REFUSED_LINGER_S = 1.0  # keep reading (and dropping) a refused client's request so the 503 is not reset
@@ -261,6 +262,8 @@ class GuardedH11Protocol(H11Protocol):
         cycle = self.cycle if phase == "body" else None
         if cycle is not None:  # the app may still wait for the body: it sees a disconnect
             answered = cycle.response_started
+            if not answered:  # the app counts the request as the 408 written below, not as a client hang-up
+                cycle.scope[BODY_TIMEOUT_KEY] = True
             cycle.disconnected = True
             cycle.message_event.set()
         else:

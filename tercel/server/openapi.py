@@ -33,7 +33,18 @@ def _json(model: type[BaseModel]) -> dict[str, Any]:
 def _generate_ok(full: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
     return {"description": f"`stream: false`: one JSON object. `stream: true`: server-sent events, each "
                            f"`data: <{chunk.__name__}>`, ending with `data: [DONE]`.",
-            "content": {**_json(full), "text/event-stream": {"schema": {"type": "string"}}}}
+            "content": {**_json(full), "text/event-stream": {"schema": _sse_event(chunk)}}}
+
+
+def _sse_event(chunk: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event of a stream (OpenAPI 3.1 describes an event stream by its events): its `data`
+    is a chunk as JSON (an error object if the engine fails mid-stream), or `[DONE]` at the end."""
+    payload = {"type": "string", "contentMediaType": "application/json",
+               "contentSchema": {"anyOf": [_ref(chunk), _ref(p.ErrorResponse)]}}
+    return {"type": "object", "required": ["data"],
+            "description": f"A server-sent event: `data: <{chunk.__name__}>`; the last one is `data: [DONE]`.",
+            "properties": {"data": {"oneOf": [{"const": "[DONE]"}, payload]}, "event": {"type": "string"},
+                           "id": {"type": "string"}, "retry": {"type": "integer"}}}
 
 
 # (path, method) -> (request model or None, {status: response}, extra operation fields)
@@ -44,6 +55,12 @@ _ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, dict[int, dict[str,
     ("/v1/chat/completions", "post"): (
         p.ChatCompletionRequest, {200: _generate_ok(p.ChatCompletionResponse, p.ChatCompletionStreamResponse)},
         {"summary": "Chat completion (OpenAI /v1/chat/completions)"}),
+    ("/tokenize", "post"): (p.TokenizeRequest,
+                            {200: {"description": "The token ids", "content": _json(p.TokenizeResponse)}},
+                            {"summary": "Tokenize a prompt or chat messages (vLLM /tokenize)"}),
+    ("/detokenize", "post"): (p.DetokenizeRequest,
+                              {200: {"description": "The text", "content": _json(p.DetokenizeResponse)}},
+                              {"summary": "Token ids to text (vLLM /detokenize)"}),
     ("/v1/models", "get"): (None, {200: {"description": "The served model", "content": _json(p.ModelList)}},
                             {"summary": "List models"}),
     ("/v1/models/{model_id}", "get"): (
@@ -61,14 +78,17 @@ _ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | None, dict[int, dict[str,
 }
 _ERRORS_OF = {("/v1/completions", "post"): _GENERATE_ERRORS, ("/v1/chat/completions", "post"): _GENERATE_ERRORS,
               ("/v1/models", "get"): (401,), ("/v1/models/{model_id}", "get"): (401, 404), ("/health", "get"): (),
-              ("/metrics", "get"): (401,)}
+              ("/metrics", "get"): (401,), ("/tokenize", "post"): (400, 401, 413, 500),
+              ("/detokenize", "post"): (400, 401, 413, 500)}
 _STREAM_MODELS = (p.CompletionStreamResponse, p.ChatCompletionStreamResponse)
 
 
 def _component_schemas() -> dict[str, Any]:
-    requests = [(p.CompletionRequest, "validation"), (p.ChatCompletionRequest, "validation")]
+    requests = [(m, "validation") for m in (p.CompletionRequest, p.ChatCompletionRequest, p.TokenizeRequest,
+                                             p.DetokenizeRequest)]
     responses = [(m, "serialization") for m in (p.ErrorResponse, p.CompletionResponse, p.ChatCompletionResponse,
-                                                 p.ModelList, p.ModelCard, p.HealthResponse, *_STREAM_MODELS)]
+                                                 p.ModelList, p.ModelCard, p.HealthResponse, p.TokenizeResponse,
+                                                 p.DetokenizeResponse, *_STREAM_MODELS)]
     _, top = models_json_schema(requests + responses, ref_template=REF)  # type: ignore[arg-type]
     return top["$defs"]
 

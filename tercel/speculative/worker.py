@@ -224,8 +224,11 @@ class SpecWorker:
     def _spec_step(self, reqs: list[Request], width: int | None = None) -> list[RequestOutput]:
         """width: tokens verified per request (None: num_draft_tokens; 1, chosen by the adaptive policy: a
         plain decode step, nothing drafted, the draft_extend deferred)."""
+        constrained = [r.grammar for r in reqs]
+        if not any(constrained):
+            constrained = None
         self.used_chain = (self.chain is not None and width in (None, self.num_draft_tokens)
-                           and self.chain.eligible(reqs))
+                           and constrained is None and self.chain.eligible(reqs))
         if self.used_chain:
             self.last_width = self.num_draft_tokens
             self.profile.mark("chain")
@@ -260,6 +263,11 @@ class SpecWorker:
         out = self._verify(batch)
         logits = out.logits
         self.last_width = width
+        if constrained is not None:  # structured output: each node's row masked by the grammar along its path
+            from ..structured.mask import mask_verify_rows
+
+            paths = trees if trees is not None else [DraftTree.chain(row[0], row[1:]) for row in device_tokens.tolist()]
+            logits = mask_verify_rows(logits, constrained, paths, width)
         # 3. accept on the device for the whole batch: at each node the token plain decoding would emit there
         # (greedy: the argmax; T > 0: the plain sampler's draw for that output position), drafts kept while
         # they carry it; the step's one host sync reads the result. Penalties / min_tokens walk on the host.
@@ -306,7 +314,7 @@ class SpecWorker:
             emit = [t.tokens[j] for j in acc.nodes] + [acc.bonus]
             rows = [0] + acc.nodes  # row whose logits produced each emitted token
             for tok, row in zip(emit, rows):
-                lp = (Sampler._logprobs(logits[off + row], tok, r.params.logprobs)
+                lp = (Sampler._logprobs(out.logits[off + row], tok, r.params.logprobs)
                       if r.params.logprobs is not None else None)
                 eng._append_token(r, tok, lp)
                 if r.finish_reason is not None:
