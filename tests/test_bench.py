@@ -67,7 +67,7 @@ def test_spec_stats_delta_reads_every_counter_and_histogram():
     s.record(4, 0)
     d = stats_delta(before, stats_snapshot(s))
     assert d == {"verify_steps": 2, "draft_tokens": 8, "accepted_tokens": 3, "accept_histogram": [1, 0, 0, 1],
-                 "width_histogram": {}}
+                 "width_histogram": {}, "plain_window_steps": 0}
 
 
 def test_bad_flags_fail_fast_with_one_line():
