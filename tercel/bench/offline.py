@@ -208,10 +208,13 @@ def _cycle(items: Sequence, n: int) -> list:
     return [items[i % len(items)] for i in range(n)]
 
 
-def _params(cfg: OfflineConfig, n: int, output_len: int) -> list:
+def _params(cfg: OfflineConfig, n: int, output_len: int, ignore_eos: bool | None = None) -> list:
+    """ignore_eos: overrides the sweep's setting (the token-id pass runs every request to its length)."""
     from ..sampling_params import SamplingParams
 
     kw = dict(cfg.sampling)
+    if ignore_eos is not None:
+        kw["ignore_eos"] = ignore_eos
     sampled = kw.get("temperature", CLI_TEMPERATURE) > 0
     base = kw.pop("seed", None) or 0
     return [SamplingParams(max_tokens=output_len, seed=base + i if sampled else None, **kw) for i in range(n)]
