@@ -99,7 +99,8 @@ def test_bad_num_scheduler_steps_is_a_clear_error(tiny_loaded, bad):
 
 
 def test_cli_flag_reaches_the_engine():
-    from tercel.cli import build_parser, engine_kwargs
+    from tercel.cli import build_parser
+    from tercel.cli_args import engine_kwargs
     from tercel.server.cli import add_serve_arguments
 
     args = build_parser().parse_args(["generate", "--num-scheduler-steps", "8"])
