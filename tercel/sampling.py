@@ -213,7 +213,8 @@ def sample_batch(logits: torch.Tensor, reqs: list[Request], keys: torch.Tensor |
         return sample_rows(logits, SamplingTensors.of([r.params for r in reqs], logits.shape[-1], logits.device),
                            keys)
     out = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
-    free = [i for i in range(len(reqs)) if i not in set(ctx)]
+    skip = set(ctx)
+    free = [i for i in range(len(reqs)) if i not in skip]
     if free:
         idx = torch.tensor(free, device=logits.device)
         st = SamplingTensors.of([reqs[i].params for i in free], logits.shape[-1], logits.device)
