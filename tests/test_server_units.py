@@ -58,7 +58,7 @@ def test_parse_size():
             parse_size(bad)
 
 
-def test_speculative_flags_reach_the_engine_config(monkeypatch, keep_sigterm):
+def test_speculative_flags_reach_the_engine_config(monkeypatch, keep_sigterm, tmp_path):
     import tercel.engine
     from tercel.config import ConfigError
     from tercel.server.cli import run_serve
@@ -66,19 +66,23 @@ def test_speculative_flags_reach_the_engine_config(monkeypatch, keep_sigterm):
     seen: list = []
 
     class FakeEngine:
-        def __init__(self, config):
+        def __init__(self, config, **_):
             seen.append(config)
             raise ConfigError("stop here")
 
     monkeypatch.setattr(tercel.engine, "LLMEngine", FakeEngine)
+    draft = tmp_path / "draft"  # the checks before load want a draft directory that looks like one
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    (draft / "model.safetensors").write_bytes(b"")
     assert run_serve(_serve_args()) == 2
     assert seen[-1].speculative.algorithm is None  # serve: plain decoding unless asked
     assert run_serve(_serve_args("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
-                                 "--speculative-draft-model-path", "/d", "--speculative-eagle-topk", "2",
+                                 "--speculative-draft-model-path", str(draft), "--speculative-eagle-topk", "2",
                                  "--speculative-num-draft-tokens", "4")) == 2
     spec = seen[-1].speculative
     assert (spec.algorithm, spec.num_steps, spec.draft_model_path, spec.eagle_topk, spec.num_draft_tokens) == (
-        "EAGLE", 3, "/d", 2, 4)
+        "EAGLE", 3, str(draft), 2, 4)
     assert run_serve(_serve_args("--speculative-algorithm", "auto")) == 2
     assert seen[-1].speculative.algorithm == "AUTO"  # resolved by the engine, as for generate
 
@@ -86,6 +90,9 @@ def test_speculative_flags_reach_the_engine_config(monkeypatch, keep_sigterm):
 # ---- in-process app on a stub engine -----------------------------------------------------------
 
 class _StubTokenizer:
+    chat_template = None  # no template of its own: the server picks no tool parser from it
+    supports_tools = False
+
     def __init__(self, explode: bool = False) -> None:
         self.explode = explode
 
@@ -94,13 +101,16 @@ class _StubTokenizer:
             raise RuntimeError("secret internal detail")
         return [ord(c) % 90 + 1 for c in text]
 
+    def encode_with_special(self, text: str) -> list[int]:
+        return self.encode(text)
+
     def decode(self, ids, skip_special_tokens=True) -> str:
         return "".join(chr(i + 32) for i in ids)
 
     def convert_ids_to_tokens(self, ids):
         return [chr(i + 32) for i in ids]
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
+    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None):
         return self.encode("".join(m["content"] for m in messages))
 
 
