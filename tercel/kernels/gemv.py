@@ -6,7 +6,7 @@ Shapes with few output rows (Llama-8B o_proj / down_proj: N = 4096) give too few
 every SM streaming, so SPLIT_K > 1 also splits K: each program writes an fp32 partial sum and one
 small kernel adds the SPLIT_K partials in a fixed order (deterministic, unlike atomics).
 The model routes an M == 1 linear here only where tercel.kernels.gemv_tune measured it faster
-than cuBLAS inside a CUDA graph; benchmarks/gemv_probe.py shows the same comparison.
+than cuBLAS inside a CUDA graph (benchmarks/results/gemv_probe_h200.json has one such comparison).
 
 Batch-1 decode also folds the small ops around each linear into it (one launch instead of two),
 with the rounding of the unfused kernels in fused.py:
