@@ -35,18 +35,19 @@ from pathlib import Path
 
 import torch
 
+from .batching import step_batch
 from .config import ConfigError, EngineConfig, ModelLoadConfig
 from .cpu_threads import apply_threads
-from .detokenizer import update_text
 from .forward_batch import ForwardBatch, ModelOutput
 from .kv import KVCacheSpec, PagedKVCache, num_kv_blocks, slot_of
 from .loader.model_loader import Checkpoint, DtypeChoice, LoadedModel, load_model, read_checkpoint, resolve_dtype
 from .loader.tokenizer import Tokenizer
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .output_sink import OutputSink
+from .outputs import RequestMetrics, RequestOutput
 from .prefix_cache import PrefixCache
 from .request import Request
 from .sampling import Sampler, SamplingTensors, greedy_tokens, sample_rows, stream_keys
-from .sampling_params import RequestOutputKind, SamplingParams
+from .sampling_params import SamplingParams
 from .scheduler import ScheduledRequest, Scheduler
 
 log = logging.getLogger(__name__)
@@ -234,6 +235,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv.allocator, block_size, sched.max_num_seqs, sched.max_num_batched_tokens)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
+        self.sink = OutputSink(self.scheduler, self.requests, self.tokenizer, self.config.max_model_len)
         self._ids = itertools.count()
         self._grammars = None  # structured output's GrammarBackend, built on the first constrained request
         self._lock = threading.RLock()  # add/abort may come from another thread (the server)
@@ -371,9 +373,9 @@ class LLMEngine:
             if getattr(self, "tp_group", None) is not None:
                 self._tp_finalizer()
             for name in ("_inflight", "spec", "graph_runner", "_stager", "_download_stream", "_draft_target", "kv",
-                         "scheduler", "sampler", "model", "loaded", "gemv_choices"):
+                         "scheduler", "sink", "sampler", "model", "loaded", "gemv_choices"):
                 setattr(self, name, None)
-            self.requests = {}
+            self.requests = {}  # (the sink, gone above, held the old dict)
         device = getattr(self, "device", None)
         if device is not None and device.type == "cuda":
             import gc
@@ -507,13 +509,13 @@ class LLMEngine:
                 return []
             if self.spec is not None:
                 return self.spec.step(sched.scheduled)
-            batch, sampled = self._build_batch(sched.scheduled)
+            batch, sampled = step_batch(sched.scheduled, self.kv.block_size, self.upload)
             out = self.run_model(batch)
             for s in sched.scheduled:
                 s.request.num_computed_tokens += s.num_tokens
             reqs = [s.request for s in sampled]
             tokens, logprobs = self.sampler.sample(out.logits, reqs)
-            return self._postprocess(reqs, tokens, logprobs)
+            return self.sink.postprocess(reqs, tokens, logprobs)
 
     # ---- multi-step decode -----------------------------------------------------------------
     @staticmethod
@@ -666,11 +668,9 @@ class LLMEngine:
             if r.finish_reason is not None:  # aborted, or stopped inside the previous window
                 continue
             r.num_computed_tokens += w.num_steps
-            for step in range(w.num_steps):
-                self._append_token(r, tokens[step][i], None)
-                if r.finish_reason is not None:  # the rest of its window is discarded; its blocks are freed
-                    break
-            self._emit(outputs, r)
+            # one that stops inside the window discards the rest of its tokens; its blocks are freed
+            self.sink.append_tokens(r, [row[i] for row in tokens[:w.num_steps]])
+            self.sink.emit(outputs, r)
         now = time.perf_counter()
         if w.spec_plain:  # the pace of back-to-back plain windows is what a plain step costs here
             pace = None if self._last_plain_window is None else (now - self._last_plain_window) / w.num_steps
@@ -683,113 +683,3 @@ class LLMEngine:
         if self.graph_runner is not None:
             return self.graph_runner.run(batch)
         return self.model(batch, self.kv)
-
-    def _build_batch(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, list[ScheduledRequest]]:
-        bs = self.kv.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        logits_idx: list[int] = []
-        sampled: list[ScheduledRequest] = []
-        for s in scheduled:
-            r = s.request
-            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
-            ids.extend(r.token_slice(start, end))
-            positions.extend(range(start, end))
-            slots.extend(slot_of(r.block_table, p, bs) for p in range(start, end))
-            seq_lens.append(end)
-            if s.completes_sequence:
-                logits_idx.append(len(ids) - 1)
-                sampled.append(s)
-        width = max(len(s.request.block_table) for s in scheduled)
-        tables = [s.request.block_table + [0] * (width - len(s.request.block_table)) for s in scheduled]
-        dev = self.device
-        if self._stager is not None:  # GPU: one pinned host->device copy for all six
-            t_ids, t_pos, t_slots, t_lens, t_tables, t_logits = self._stager.upload(
-                [ids, positions, slots, seq_lens, [b for row in tables for b in row], logits_idx])
-            t_tables = t_tables.view(len(tables), width)
-        else:
-            t_ids, t_pos, t_slots, t_lens, t_tables, t_logits = (
-                torch.tensor(x, dtype=torch.long, device=dev)
-                for x in (ids, positions, slots, seq_lens, tables, logits_idx))
-        batch = ForwardBatch(
-            input_ids=t_ids, positions=t_pos, out_cache_loc=t_slots, seq_lens=t_lens, block_tables=t_tables,
-            logits_indices=t_logits, query_lens=[s.num_tokens for s in scheduled], seq_lens_cpu=seq_lens,
-        )
-        return batch, sampled
-
-    def _postprocess(self, reqs: list[Request], tokens: list[int],
-                     logprobs: list[dict[int, float] | None]) -> list[RequestOutput]:
-        """Append each request's sampled token (with the stop checks); the outputs this step gives."""
-        outputs: list[RequestOutput] = []
-        for r, t, lp in zip(reqs, tokens, logprobs):
-            self._append_token(r, t, lp)
-            self._emit(outputs, r)
-        return outputs
-
-    def _emit(self, outputs: list[RequestOutput], req: Request) -> None:
-        """Add req's output for this step, when its output_kind wants one now (FINAL_ONLY: at the end)."""
-        out = self._make_output(req)
-        if out is not None:
-            outputs.append(out)
-
-    def _append_token(self, req: Request, token: int, logprob: dict[int, float] | None) -> None:
-        """Append one generated token, check the stop conditions; a finished request is freed."""
-        now = time.perf_counter()
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-        req.output_token_ids.append(token)
-        if req.grammar is not None and not req.grammar.accept(token):  # only a masked-out token: min_tokens
-            log.warning("request %s: token %d breaks its grammar; it stops here", req.request_id, token)
-            req.finish_reason = "stop"
-        req.metrics.num_generated_tokens = len(req.output_token_ids)
-        if logprob is not None and req.logprobs is not None:
-            req.logprobs.append(logprob)
-        self._check_stop(req, token)
-        if req.finish_reason is not None:
-            req.metrics.finished_time = now
-            self.scheduler.finish(req)
-            self.requests.pop(req.request_id, None)
-
-    def _check_stop(self, req: Request, token: int) -> None:
-        p = req.params
-        n = len(req.output_token_ids)
-        if n >= p.min_tokens:
-            if token in req.eos_token_ids:
-                req.finish_reason = "stop"
-            elif token in p.stop_token_ids:
-                req.finish_reason, req.stop_reason = "stop", token
-        if self.tokenizer is not None:
-            hit = update_text(req, self.tokenizer)
-            if hit is not None and req.finish_reason is None and n >= p.min_tokens:
-                req.finish_reason, req.stop_reason = "stop", hit
-        if req.finish_reason is None and req.grammar is not None and req.grammar.terminated:
-            req.finish_reason = "stop"  # the grammar is complete and accepted its stop token
-        if req.finish_reason is None and (n >= p.max_tokens or req.num_tokens >= self.config.max_model_len):
-            req.finish_reason = "length"
-
-    def _make_output(self, req: Request) -> RequestOutput | None:
-        """This step's output for req, as its params' output_kind asks; None for a FINAL_ONLY request
-        that is still running (no object, no copy of its token ids: offline generate at large batch)."""
-        finished = req.finish_reason is not None
-        kind = req.params.output_kind
-        if kind == RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        # Streaming holds back text that may still turn out to be part of a stop string.
-        safe = len(req.output_text) if finished else req.output_text_safe_len
-        delta_text = req.output_text[req.sent_text_len:safe] if safe > req.sent_text_len else ""
-        req.sent_text_len = max(req.sent_text_len, safe)
-        start = req.sent_token_len
-        delta_ids = req.output_token_ids[start:]
-        req.sent_token_len = len(req.output_token_ids)
-        lps = req.logprobs
-        if kind == RequestOutputKind.DELTA:
-            text, token_ids, lps = delta_text, delta_ids, lps[start:] if lps is not None else None
-        else:
-            text, token_ids, lps = req.output_text, list(req.output_token_ids), list(lps) if lps is not None else None
-        completion = CompletionOutput(index=0, text=text, token_ids=token_ids, finish_reason=req.finish_reason,
-                                      stop_reason=req.stop_reason, logprobs=lps)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished, req.metrics,
-                             num_cached_tokens=req.metrics.num_cached_tokens, delta_text=delta_text,
-                             delta_token_ids=delta_ids)

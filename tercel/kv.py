@@ -143,6 +143,18 @@ class PagedKVCache:
         self.k_layers[layer].index_copy_(0, slots, k)
         self.v_layers[layer].index_copy_(0, slots, v)
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's k/v at slots src copied to dst (accepted tree nodes compacted after a verify)."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+    def free_unused_blocks(self, block_table: list[int], num_tokens: int) -> None:
+        """Give back the blocks of block_table past those num_tokens need (in place)."""
+        need = -(-num_tokens // self.block_size)
+        if len(block_table) > need:
+            self.allocator.free(block_table[need:])
+            del block_table[need:]
+
 
 def slot_of(block_table: Sequence[int], pos: int, block_size: int) -> int:
     """The KV slot of position pos for a request with this block table (the one slot formula)."""

@@ -224,6 +224,18 @@ def sample_batch(logits: torch.Tensor, reqs: list[Request], keys: torch.Tensor |
     return out
 
 
+def token_logprobs(row: torch.Tensor, token: int, top_n: int) -> dict[int, float]:
+    """Logprobs of the model's raw distribution (before penalties/filters), like vLLM's default: the chosen
+    token's and the top_n."""
+    lp = row.float().log_softmax(-1)
+    out = {token: float(lp[token])}
+    if top_n:
+        vals, ids = lp.topk(top_n)
+        for v, t in zip(vals.tolist(), ids.tolist()):
+            out.setdefault(t, v)
+    return out
+
+
 class Sampler:
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: [len(reqs), V] float32. Returns token ids and, where asked, logprobs (of the raw logits).
@@ -250,17 +262,6 @@ class Sampler:
             # greedy with penalties / min_tokens: argmax of the processed logits
             tok = chosen[i] if i in chosen else int(processed_logits(row, req).argmax())
             tokens.append(tok)
-            logprobs.append(self._logprobs(raw[i], tok, req.params.logprobs) if req.params.logprobs is not None
+            logprobs.append(token_logprobs(raw[i], tok, req.params.logprobs) if req.params.logprobs is not None
                             else None)
         return tokens, logprobs
-
-    @staticmethod
-    def _logprobs(row: torch.Tensor, token: int, top_n: int) -> dict[int, float]:
-        """Logprobs of the model's raw distribution (before penalties/filters), like vLLM's default."""
-        lp = row.float().log_softmax(-1)
-        out = {token: float(lp[token])}
-        if top_n:
-            vals, ids = lp.topk(top_n)
-            for v, t in zip(vals.tolist(), ids.tolist()):
-                out.setdefault(t, v)
-        return out

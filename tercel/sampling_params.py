@@ -33,6 +33,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; 0: chosen token only; n: plus top-n
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, no per-step text (as vLLM's)
     min_tokens: int = 0
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # a grammar the output must match (tercel.structured): JSON schema, regex, choice, EBNF / Lark, any JSON object
@@ -65,6 +66,8 @@ class SamplingParams:
              "logprobs", "None or an integer in [0, 20]"),
             (is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an integer >= 0"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings"),
+            (self.detokenize or not self.stop, "stop",
+             "empty when detokenize=False (stop strings are matched on the text; use stop_token_ids)"),
             (all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "non-negative token ids"),
             (isinstance(self.output_kind, RequestOutputKind), "output_kind",

@@ -54,8 +54,8 @@ def count_windows(engine: LLMEngine) -> list[int]:
 def record_preemptions(engine: LLMEngine) -> list[int]:
     """Record each output's request preemption count."""
     counts: list[int] = []
-    real = engine._make_output
-    engine._make_output = lambda r: (counts.append(r.metrics.num_preemptions), real(r))[1]
+    real = engine.sink.make_output
+    engine.sink.make_output = lambda r: (counts.append(r.metrics.num_preemptions), real(r))[1]
     return counts
 
 

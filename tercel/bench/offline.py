@@ -12,7 +12,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm import tqdm
@@ -298,13 +298,10 @@ def measure_point(cfg: OfflineConfig, llm, algo: str, c: int, n_out: int, profil
     first = timed_pass(llm, run, device)
     point = Point(algo, c, n_out, first, timed_pass(llm, run, device))
     if algo == "NONE" and cfg.token_id_path and chat:  # without a tokenizer both paths are token ids
-        ids, id_params = _cycle(id_prompts, c), _params(cfg, c, n_out, True)
-        # ids in, ids out, as HF generate: without a tokenizer the engine skips per-step detokenization
-        tokenizer, llm.engine.tokenizer = llm.engine.tokenizer, None
-        try:
-            point.token_id = timed_pass(llm, lambda: llm.generate(ids, id_params), device)
-        finally:
-            llm.engine.tokenizer = tokenizer
+        # ids in, ids out, as HF generate: no per-step detokenization
+        ids = _cycle(id_prompts, c)
+        id_params = [replace(p, detokenize=False) for p in _params(cfg, c, n_out, True)]
+        point.token_id = timed_pass(llm, lambda: llm.generate(ids, id_params), device)
         point.api_fraction_of_token_id = round(point.second.tok_s / point.token_id.tok_s, 3)
     if llm.engine.spec is not None and profile:
         point.step_breakdown_us = profiled_pass(llm.engine.spec, run)

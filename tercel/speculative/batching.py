@@ -1,33 +1,17 @@
-"""Pure batch-building pieces the speculative steps share: KV slot of a position, block tables padded
-to a width (0 = the dummy block, so a read past a request's blocks lands there), the width that covers
-a span of positions, and the verify batch for trees / chains padded to a uniform width."""
+"""The verify batch: trees / chains padded to a uniform width (the pieces it shares with the other step
+batches are in tercel/batching.py)."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ..batching import Upload, blocks_covering, padded_tables
 from ..forward_batch import CaptureHiddenMode, ForwardBatch
 from ..kv import slot_of
 from ..request import Request
 from .tree import DraftTree
-
-Upload = Callable[[Sequence[Sequence[int]]], list[torch.Tensor]]
-
-
-def blocks_covering(end: int, block_size: int) -> int:
-    """Block-table width that covers positions [0, end)."""
-    return -(-end // block_size)
-
-
-def padded_tables(reqs: Sequence[Request], width: int) -> list[int]:
-    """The requests' block tables cut or zero-padded to `width`, flattened row by row."""
-    out: list[int] = []
-    for r in reqs:
-        t = r.block_table[:width]
-        out += t + [0] * (width - len(t))
-    return out
 
 
 @dataclass(slots=True)

@@ -106,7 +106,7 @@ class EagleChainStep(StepKind):
         n, w, bs = s.roots.shape[0], self.width, self.kv.block_size
         dev = s.roots.device
         # draft: the chain, root first [B, W]
-        tokens = self.loop._loop(DraftLoopBatch(s.roots, s.first, s.hidden, s.base, s.block_tables, [0] * n),
+        tokens = self.loop.body(DraftLoopBatch(s.roots, s.first, s.hidden, s.base, s.block_tables, [0] * n),
                                  graph=True)
         # verify: W rows per request at base .. base + W - 1, every row's logits and aux hidden states
         j = torch.arange(w, device=dev)
@@ -127,7 +127,7 @@ class EagleChainStep(StepKind):
         shifted = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
         ids = torch.where(j < kk, shifted, torch.where(j == kk, bonus[:, None], torch.zeros_like(shifted)))
         ext_slots = torch.where(j <= kk, slots, torch.zeros_like(slots))
-        ext = self.extend._extend(DraftExtendBatch(ids.reshape(-1), out.hidden_states, pos.reshape(-1),
+        ext = self.extend.body(DraftExtendBatch(ids.reshape(-1), out.hidden_states, pos.reshape(-1),
                                                    ext_slots.reshape(-1), s.base + w, s.block_tables, k, [w] * n),
                                   graph=True)
         # the next step's state, in place: padding rows keep base 0

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..batching import padded_tables
 from ..graphs.runner import CudaGraphRunner
 from ..outputs import RequestOutput
 from ..request import Request
 from .adaptive import candidate_widths
-from .batching import padded_tables
 from .chain import ChainBatch, ChainOutputs
 from .host import ChainHost
 from .verify import context_free
@@ -156,17 +156,9 @@ class ChainLoop:
             if r.finish_reason is not None:
                 continue
             k, bonus = row[width], row[width + 1]
-            room = max(1, r.params.max_tokens - len(r.output_token_ids))
-            r.metrics.record_verify(min(width, room) - 1, min(k, room - 1))
-            self.worker.stats.record(min(width, room) - 1, min(k, room - 1))
-            if ada is not None:
-                ada.record(r, min(width, room) - 1, min(k, room - 1))
-            r.num_computed_tokens += k + 1
-            for tok in row[1:k + 1] + [bonus]:
-                eng._append_token(r, tok, None)
-                if r.finish_reason is not None:
-                    break
-            eng._emit(outputs, r)
+            r.num_computed_tokens += k + 1  # the chain's KV already sits in place
+            self.worker.emit_verified(r, width - 1, k, row[1:k + 1] + [bonus])
+            eng.sink.emit(outputs, r)
         return outputs
 
     def _end(self, w: InflightChain) -> None:
@@ -180,4 +172,4 @@ class ChainLoop:
                 r.spec_state = EagleState(r.num_computed_tokens, out.hidden[i].clone(), out.logits[i].clone(),
                                           out.first[i].clone())
                 r.draft_kv_len = r.num_computed_tokens
-                self.worker._free_unused_blocks(r)
+                self.worker.free_unused_blocks(r)

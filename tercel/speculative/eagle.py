@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ..batching import blocks_covering, padded_tables
 from ..forward_batch import CaptureHiddenMode
 from ..graphs.runner import CudaGraphRunner, GraphConfig
 from ..kv import PagedKVCache, slot_of
@@ -32,7 +33,6 @@ from ..loader.model_loader import draft_dtype
 from ..models.eagle3 import EagleDraftModel
 from ..request import Request
 from ..sampling import ahead_keys, draw_noise, filter_logits, race
-from .batching import blocks_covering, padded_tables
 from .drafter import DeviceChains, Drafter, ExtendedChunk
 from .eagle_steps import DraftExtendBatch, DraftLoopBatch, EagleDraftLoopStep, EagleExtendStep
 from .host import SpecEngine
@@ -171,7 +171,7 @@ class EagleDrafter(Drafter):
         return self.model.draft_to_target[draft_ids] if self.model.maps_vocab else draft_ids
 
     # ---- draft_extend --------------------------------------------------------------------
-    def _extend(self, reqs: list[Request], starts: list[int], ids: list[list[int]], hidden: list[torch.Tensor],
+    def extend_rows(self, reqs: list[Request], starts: list[int], ids: list[list[int]], hidden: list[torch.Tensor],
                 width: int) -> None:
         """Run the draft over rows [start, start + n) of each request (ids: the tokens at start+1 ..,
         hidden: the target's states at start ..), padded to `width` rows, write their draft KV and set
@@ -206,7 +206,7 @@ class EagleDrafter(Drafter):
         reqs = [c.request for c in chunks]
         ids = [c.request.token_slice(c.start + 1, c.end + 1) for c in chunks]
         rows = [hidden[c.row_offset:c.row_offset + c.end - c.start] for c in chunks]
-        self._extend(reqs, [c.start for c in chunks], ids, rows, max(c.end - c.start for c in chunks))
+        self.extend_rows(reqs, [c.start for c in chunks], ids, rows, max(c.end - c.start for c in chunks))
         for c in chunks:  # a partial prefill chunk leaves no usable state
             if c.end != c.request.num_tokens - 1:
                 c.request.spec_state = None

@@ -133,15 +133,15 @@ class EagleDraftLoopStep(_DraftStep):
                               [0] * num_requests)
 
     def forward(self, static: DraftLoopBatch) -> torch.Tensor:
-        return self._loop(static, graph=True)
+        return self.body(static, graph=True)
 
     def eager(self, batch: DraftLoopBatch) -> torch.Tensor:
-        return self._loop(batch, graph=False)
+        return self.body(batch, graph=False)
 
     def live_outputs(self, out: torch.Tensor, num_live: int, mode: CaptureHiddenMode) -> torch.Tensor:
         return out[:num_live]
 
-    def _loop(self, b: DraftLoopBatch, graph: bool) -> torch.Tensor:
+    def body(self, b: DraftLoopBatch, graph: bool) -> torch.Tensor:
         """[B, num_steps + 1] target ids: the root, then the greedy chain."""
         model, bs = self.model, self.kv.block_size
         n = b.roots.shape[0]
@@ -202,15 +202,15 @@ class EagleExtendStep(_DraftStep):
         static.seq_lens_cpu[num_live:] = [self.tokens_per_request] * (bucket - num_live)
 
     def forward(self, static: DraftExtendBatch) -> DraftStateRows:
-        return self._extend(static, graph=True)
+        return self.body(static, graph=True)
 
     def eager(self, batch: DraftExtendBatch) -> DraftStateRows:
-        return self._extend(batch, graph=False)
+        return self.body(batch, graph=False)
 
     def live_outputs(self, out: DraftStateRows, num_live: int, mode: CaptureHiddenMode) -> DraftStateRows:
         return DraftStateRows(out.hidden[:num_live], out.logits[:num_live], out.first[:num_live])
 
-    def _extend(self, b: DraftExtendBatch, graph: bool) -> DraftStateRows:
+    def body(self, b: DraftExtendBatch, graph: bool) -> DraftStateRows:
         w, bs = self.tokens_per_request, self.kv.block_size
         n = b.seq_lens.shape[0]
         fb = ForwardBatch(input_ids=b.ids, positions=b.positions, out_cache_loc=b.out_cache_loc, seq_lens=b.seq_lens,

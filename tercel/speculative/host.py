@@ -16,10 +16,10 @@ if TYPE_CHECKING:
     from ..forward_batch import ForwardBatch, ModelOutput
     from ..kv import PagedKVCache
     from ..models.interface import TargetModel
-    from ..outputs import RequestOutput
+    from ..output_sink import OutputSink
     from ..request import Request
     from ..sampling import Sampler
-    from ..scheduler import ScheduledRequest, Scheduler
+    from ..scheduler import Scheduler
     from .adaptive import AdaptiveSpec
     from .config import SpecConfig
     from .drafter import Drafter
@@ -39,6 +39,7 @@ class SpecEngine(Protocol):
     sampler: Sampler
     overlap_schedule: bool
     spec_config: SpecConfig | None
+    sink: OutputSink  # where generated tokens go: stop checks, finishing, step outputs
 
     @property
     def draft_target(self) -> TargetModel:
@@ -48,15 +49,6 @@ class SpecEngine(Protocol):
     def upload(self, lists: list[list[int]]) -> list[torch.Tensor]: ...
 
     def run_model(self, batch: ForwardBatch) -> ModelOutput: ...
-
-    def _build_batch(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, list[ScheduledRequest]]: ...
-
-    def _postprocess(self, reqs: list[Request], tokens: list[int],
-                     logprobs: list[dict[int, float] | None]) -> list[RequestOutput]: ...
-
-    def _emit(self, outputs: list[RequestOutput], req: Request) -> None: ...
-
-    def _append_token(self, req: Request, token: int, logprob: dict[int, float] | None) -> None: ...
 
 
 class ChainHost(Protocol):
@@ -68,4 +60,7 @@ class ChainHost(Protocol):
     profile: StepProfile
     stats: SpecStats
 
-    def _free_unused_blocks(self, r: Request) -> None: ...
+    def free_unused_blocks(self, r: Request) -> None: ...
+
+    def emit_verified(self, r: Request, num_drafts: int, num_kept: int, tokens: list[int],
+                      logprobs: list[dict[int, float]] | None = None, record: bool = True) -> bool: ...

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import time
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..batching import step_batch
 from ..dev_overrides import env
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from ..graphs.runner import CudaGraphRunner, GraphConfig
@@ -26,10 +28,10 @@ from ..graphs.steps import ModelStep
 from ..kv import slot_of
 from ..outputs import RequestOutput
 from ..request import Request
-from ..sampling import Sampler, greedy_tokens
+from ..sampling import greedy_tokens, token_logprobs
 from ..scheduler import ScheduledRequest
 from .adaptive import AdaptiveSpec, candidate_widths
-from .batching import verify_batch
+from .batching import VerifyLayout, verify_batch
 from .drafter import DeviceChains, Drafter, ExtendedChunk
 from .host import SpecEngine
 from .profile import StepProfile
@@ -39,6 +41,15 @@ from .verify import Accepted, accept_greedy_batched, accept_walk, context_free, 
 
 if TYPE_CHECKING:
     from .chain_loop import ChainLoop
+
+
+@dataclass(slots=True)
+class Proposal:
+    """What one verify runs: host trees, or greedy chains kept on the device ([B, W], root first), and the
+    tokens verified per request."""
+    trees: list[DraftTree] | None
+    device_tokens: torch.Tensor | None
+    width: int
 
 
 class SpecWorker:
@@ -157,7 +168,7 @@ class SpecWorker:
     # ---- prefill chunks and undrafted decodes --------------------------------------------
     def _normal_path(self, scheduled: list[ScheduledRequest]) -> list[RequestOutput]:
         eng = self.engine
-        batch, sampled = eng._build_batch(scheduled)
+        batch, sampled = step_batch(scheduled, eng.kv.block_size, eng.upload)
         batch.capture_hidden_mode = self.drafter.capture_hidden_mode
         out = eng.model(batch, eng.kv)
         chunks, offset = [], 0
@@ -168,7 +179,7 @@ class SpecWorker:
             r.num_computed_tokens += s.num_tokens
         reqs = [s.request for s in sampled]
         tokens, logprobs = eng.sampler.sample(out.logits, reqs)
-        outputs = eng._postprocess(reqs, tokens, logprobs)
+        outputs = eng.sink.postprocess(reqs, tokens, logprobs)
         alive = [c for c in chunks if c.request.finish_reason is None]
         if alive:
             self.drafter.after_extend(alive, out.hidden_states)
@@ -222,57 +233,94 @@ class SpecWorker:
 
     # ---- the spec step -------------------------------------------------------------------
     def _spec_step(self, reqs: list[Request], width: int | None = None) -> list[RequestOutput]:
-        """width: tokens verified per request (None: num_draft_tokens; 1, chosen by the adaptive policy: a
-        plain decode step, nothing drafted, the draft_extend deferred)."""
-        constrained = [r.grammar for r in reqs]
-        if not any(constrained):
-            constrained = None
+        """propose -> verify -> accept -> emit -> draft_extend. width: tokens verified per request (None:
+        num_draft_tokens; 1, chosen by the adaptive policy: a plain decode step, nothing drafted, the
+        draft_extend deferred)."""
+        grammars = [r.grammar for r in reqs] if any(r.grammar is not None for r in reqs) else None
         self.used_chain = (self.chain is not None and width in (None, self.num_draft_tokens)
-                           and constrained is None and self.chain.eligible(reqs))
-        if self.used_chain:
-            self.last_width = self.num_draft_tokens
-            self.profile.mark("chain")
-            outputs = self.chain.start(reqs)
-            self.profile.end_step()
-            return outputs
-        eng = self.engine
+                           and grammars is None and self.chain.eligible(reqs))
         prof = self.profile
+        if self.used_chain:  # greedy EAGLE chains: the whole step is one graph (chain_loop.py)
+            self.last_width = self.num_draft_tokens
+            prof.mark("chain")
+            outputs = self.chain.start(reqs)
+            prof.end_step()
+            return outputs
+        plain = width == 1
         prof.mark("draft")
-        # 1. draft: host trees, or greedy chains that stay on the device until the step's one sync
+        proposal = self._propose(reqs, width)
+        prof.mark("verify")
+        out, layout, logits = self._run_verify(reqs, proposal, grammars)
+        self.last_width = proposal.width
+        prof.mark("accept")
+        trees, accepted = self._accept(reqs, proposal, layout, logits)
+        prof.mark("emit")
+        outputs: list[RequestOutput] = []
+        moves: list[tuple[int, int]] = []
+        alive: list[int] = []
+        for i, (r, t, acc) in enumerate(zip(reqs, trees, accepted)):
+            emit = [t.tokens[j] for j in acc.nodes] + [acc.bonus]
+            lps = None
+            if r.params.logprobs is not None:  # each token's from the row whose logits produced it
+                off = i * proposal.width
+                lps = [token_logprobs(out.logits[off + row], tok, r.params.logprobs)
+                       for tok, row in zip(emit, [0] + acc.nodes)]
+            if self.emit_verified(r, len(t) - 1, len(acc.nodes), emit, lps, record=not plain):
+                moves += self._keep_accepted(r, acc)
+                alive.append(i)
+            self.engine.sink.emit(outputs, r)
+        if moves:  # (a source may sit in a block just freed: nothing allocates before this copy)
+            src, dst = self.engine.upload([[m[0] for m in moves], [m[1] for m in moves]])
+            self.engine.kv.copy_slots(src, dst)
+        prof.mark("extend")
+        self._draft_extend([reqs[i] for i in alive], [trees[i] for i in alive], [accepted[i] for i in alive],
+                           [i * proposal.width for i in alive], out.hidden_states, plain)
+        prof.end_step()
+        return outputs
+
+    def _propose(self, reqs: list[Request], width: int | None) -> Proposal:
+        """1. draft: host trees, or greedy chains that stay on the device until the step's one sync."""
         plain = width == 1
         width = width or self.num_draft_tokens
         proposal = self.drafter.propose(reqs) if not plain else [
             DraftTree.chain((r.output_token_ids or r.prompt_token_ids)[-1], []) for r in reqs]
-        trees: list[DraftTree] | None = None
-        device_tokens = None
         if isinstance(proposal, DeviceChains):
-            device_tokens = proposal.tokens[:, :width].contiguous()
-        else:  # no node past max_model_len; a request past max_tokens stops at its emit
-            if any(not t.is_chain for t in proposal):  # a branching proposal is verified whole (or not at all)
-                width = self.num_draft_tokens
-            trees = [t.truncated(max(1, min(width, eng.config.max_model_len - r.num_computed_tokens)))
-                     for r, t in zip(reqs, proposal)]
-            if max(len(t) for t in trees) == 1 and self.drafter.capture_hidden_mode == CaptureHiddenMode.NULL:
-                width = 1
-        # 2. verify: every request `width` rows (trees padded), one target forward (a graph replay when captured)
-        prof.mark("verify")
+            return Proposal(None, proposal.tokens[:, :width].contiguous(), width)
+        # no node past max_model_len; a request past max_tokens stops at its emit
+        if any(not t.is_chain for t in proposal):  # a branching proposal is verified whole (or not at all)
+            width = self.num_draft_tokens
+        max_len = self.engine.config.max_model_len
+        trees = [t.truncated(max(1, min(width, max_len - r.num_computed_tokens))) for r, t in zip(reqs, proposal)]
+        if max(len(t) for t in trees) == 1 and self.drafter.capture_hidden_mode == CaptureHiddenMode.NULL:
+            width = 1
+        return Proposal(trees, None, width)
+
+    def _run_verify(self, reqs: list[Request], p: Proposal,
+                    grammars: list | None) -> tuple[ModelOutput, VerifyLayout, torch.Tensor]:
+        """2. verify: every request `width` rows (trees padded), one target forward (a graph replay when
+        captured); with structured output each node's row masked by the grammar along its path."""
+        eng = self.engine
         # tree masks when the drafter branches (or a proposal does: a chain-only verify graph then falls back)
-        masks = width > 1 and (self.drafter.uses_trees or any(not t.is_chain for t in trees or ()))
-        batch, layout = verify_batch(reqs, trees, device_tokens, width, eng.kv.block_size,
+        masks = p.width > 1 and (self.drafter.uses_trees or any(not t.is_chain for t in p.trees or ()))
+        batch, layout = verify_batch(reqs, p.trees, p.device_tokens, p.width, eng.kv.block_size,
                                      self.drafter.capture_hidden_mode, masks, eng.upload, eng.device)
         out = self._verify(batch)
         logits = out.logits
-        self.last_width = width
-        if constrained is not None:  # structured output: each node's row masked by the grammar along its path
+        if grammars is not None:
             from ..structured.mask import mask_verify_rows
 
-            paths = trees if trees is not None else [DraftTree.chain(row[0], row[1:]) for row in device_tokens.tolist()]
-            logits = mask_verify_rows(logits, constrained, paths, width)
-        # 3. accept on the device for the whole batch: at each node the token plain decoding would emit there
-        # (greedy: the argmax; T > 0: the plain sampler's draw for that output position), drafts kept while
-        # they carry it; the step's one host sync reads the result. Penalties / min_tokens walk on the host.
-        prof.mark("accept")
-        b = len(reqs)
+            paths = p.trees if p.trees is not None else [DraftTree.chain(row[0], row[1:])
+                                                         for row in p.device_tokens.tolist()]
+            logits = mask_verify_rows(logits, grammars, paths, p.width)
+        return out, layout, logits
+
+    def _accept(self, reqs: list[Request], p: Proposal, layout: VerifyLayout,
+                logits: torch.Tensor) -> tuple[list[DraftTree], list[Accepted]]:
+        """3. accept on the device for the whole batch: at each node the token plain decoding would emit
+        there (greedy: the argmax; T > 0: the plain sampler's draw for that output position), drafts kept
+        while they carry it; the step's one host sync reads the result. Penalties / min_tokens walk on the
+        host."""
+        b, width = len(reqs), p.width
         targets = greedy_tokens(logits).view(b, width)
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy and context_free(r)]
         if sampled:
@@ -283,10 +331,9 @@ class SpecWorker:
                                                                  depth, [reqs[i] for i in sampled]))
         best, bonus = accept_greedy_batched(targets, layout.tokens, layout.lens, layout.parents, layout.depth,
                                             layout.masks)
-        fetch = [best[:, None], bonus[:, None]] + ([layout.tokens] if trees is None else [])
+        fetch = [best[:, None], bonus[:, None]] + ([layout.tokens] if p.trees is None else [])
         host = torch.cat(fetch, 1).tolist()
-        if trees is None:
-            trees = [DraftTree.chain(row[2], row[3:]) for row in host]
+        trees = p.trees if p.trees is not None else [DraftTree.chain(row[2], row[3:]) for row in host]
         accepted: list[Accepted] = []
         for i, (r, t) in enumerate(zip(reqs, trees)):
             if context_free(r):
@@ -296,57 +343,41 @@ class SpecWorker:
             if not r.params.greedy:  # the draws of the emitted tokens are taken (their noise was used)
                 r.draws += len(acc.nodes) + 1
             accepted.append(acc)
-        offsets = [i * width for i in range(b)]
-        # 4. emit tokens (stop checks per token), keep the accepted KV, free the rest
-        prof.mark("emit")
-        outputs: list[RequestOutput] = []
-        moves: list[tuple[int, int]] = []
-        alive: list[int] = []
-        for i, (r, t, acc, off) in enumerate(zip(reqs, trees, accepted, offsets)):
-            k = len(acc.nodes)
-            # counted as if the tree stopped at max_tokens: drafts past it are verified but never emitted
+        return trees, accepted
+
+    def emit_verified(self, r: Request, num_drafts: int, num_kept: int, tokens: list[int],
+                      logprobs: list[dict[int, float]] | None = None, record: bool = True) -> bool:
+        """4. emit one request's verified tokens (its kept drafts, then the bonus) with the stop checks,
+        counting the verify as if the tree stopped at max_tokens (drafts past it are verified but never
+        emitted). The unchained step and the chain loop both emit here. True when the request goes on."""
+        if record:
             room = max(1, r.params.max_tokens - len(r.output_token_ids))
-            if not plain:
-                r.metrics.record_verify(min(len(t), room) - 1, min(k, room - 1))
-                self.stats.record(min(len(t), room) - 1, min(k, room - 1))
-                if self.adaptive is not None:
-                    self.adaptive.record(r, min(len(t), room) - 1, min(k, room - 1))
-            emit = [t.tokens[j] for j in acc.nodes] + [acc.bonus]
-            rows = [0] + acc.nodes  # row whose logits produced each emitted token
-            for tok, row in zip(emit, rows):
-                lp = (Sampler._logprobs(out.logits[off + row], tok, r.params.logprobs)
-                      if r.params.logprobs is not None else None)
-                eng._append_token(r, tok, lp)
-                if r.finish_reason is not None:
-                    break
-            if r.finish_reason is None:
-                base = r.num_computed_tokens
-                moves += [(self._slot(r, base + j), self._slot(r, base + i_))
-                          for i_, j in enumerate(acc.nodes, start=1) if j != i_]
-                r.num_computed_tokens = base + 1 + k
-                self._free_unused_blocks(r)
-                alive.append(i)
-            eng._emit(outputs, r)
-        if moves:  # (a source may sit in a block just freed: nothing allocates before this copy)
-            src = torch.tensor([m[0] for m in moves], device=eng.device)
-            dst = torch.tensor([m[1] for m in moves], device=eng.device)
-            eng.kv.k[:, dst] = eng.kv.k[:, src]
-            eng.kv.v[:, dst] = eng.kv.v[:, src]
-        # 5. draft_extend over the accepted tokens of the requests that go on
-        prof.mark("extend")
-        if alive and plain and out.hidden_states is not None:
-            self.adaptive.defer([reqs[i] for i in alive], [offsets[i] for i in alive], out.hidden_states, self.drafter)
-        elif alive:
-            self.drafter.after_verify([reqs[i] for i in alive], [trees[i] for i in alive],
-                                      [accepted[i] for i in alive], [offsets[i] for i in alive], out.hidden_states)
-        prof.end_step()
-        return outputs
+            drafted, kept = min(num_drafts + 1, room) - 1, min(num_kept, room - 1)
+            r.metrics.record_verify(drafted, kept)
+            self.stats.record(drafted, kept)
+            if self.adaptive is not None:
+                self.adaptive.record(r, drafted, kept)
+        return self.engine.sink.append_tokens(r, tokens, logprobs)
 
-    def _slot(self, r: Request, pos: int) -> int:
-        return slot_of(r.block_table, pos, self.engine.kv.block_size)
+    def _keep_accepted(self, r: Request, acc: Accepted) -> list[tuple[int, int]]:
+        """The accepted nodes' KV moves to base + 1 .. base + k (a chain needs no copy); the request's tokens
+        through its bonus are computed then, and the blocks past them freed. Returns the (src, dst) slots."""
+        base, bs = r.num_computed_tokens, self.engine.kv.block_size
+        moves = [(slot_of(r.block_table, base + j, bs), slot_of(r.block_table, base + i, bs))
+                 for i, j in enumerate(acc.nodes, start=1) if j != i]
+        r.num_computed_tokens = base + 1 + len(acc.nodes)
+        self.free_unused_blocks(r)
+        return moves
 
-    def _free_unused_blocks(self, r: Request) -> None:
-        need = -(-r.num_tokens // self.engine.kv.block_size)
-        if len(r.block_table) > need:
-            self.engine.kv.allocator.free(r.block_table[need:])
-            del r.block_table[need:]
+    def _draft_extend(self, reqs: list[Request], trees: list[DraftTree], accepted: list[Accepted],
+                      offsets: list[int], hidden: torch.Tensor | None, plain: bool) -> None:
+        """5. draft_extend over the accepted tokens of the requests that go on (a plain step defers it)."""
+        if not reqs:
+            return
+        if plain and hidden is not None:
+            self.adaptive.defer(reqs, offsets, hidden, self.drafter)
+        else:
+            self.drafter.after_verify(reqs, trees, accepted, offsets, hidden)
+
+    def free_unused_blocks(self, r: Request) -> None:
+        self.engine.kv.free_unused_blocks(r.block_table, r.num_tokens)

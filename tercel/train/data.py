@@ -262,23 +262,18 @@ def generate_responses(llm, prompts: list[str], max_new_tokens: int, temperature
     tok = llm.tokenizer
     limit = llm.engine.config.max_model_len - max_new_tokens
     ids = [x for x in (tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts) if len(x) < limit]
-    engine = llm.engine
-    saved, engine.tokenizer = engine.tokenizer, None
     samples: list[Sample] = []
     start = time.perf_counter()
-    try:
-        for w in range(0, len(ids), wave):
-            if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
-                break
-            chunk = ids[w:w + wave]
-            params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + w + i)
-                      for i in range(len(chunk))]
-            outs = llm.generate(chunk, params, use_tqdm=use_tqdm)
-            samples += [Sample(p, o.outputs[0].token_ids) for p, o in zip(chunk, outs)]
-            log.info("responses: %d of %d prompts, %d response tokens, %.0f s", len(samples), len(ids),
-                     sum(len(s.response) for s in samples), time.perf_counter() - start)
-    finally:
-        engine.tokenizer = saved
+    for w in range(0, len(ids), wave):
+        if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+            break
+        chunk = ids[w:w + wave]
+        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + w + i,
+                                 detokenize=False) for i in range(len(chunk))]
+        outs = llm.generate(chunk, params, use_tqdm=use_tqdm)
+        samples += [Sample(p, o.outputs[0].token_ids) for p, o in zip(chunk, outs)]
+        log.info("responses: %d of %d prompts, %d response tokens, %.0f s", len(samples), len(ids),
+                 sum(len(s.response) for s in samples), time.perf_counter() - start)
     return samples
 
 
