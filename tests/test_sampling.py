@@ -210,3 +210,15 @@ def test_metrics(smol_llm, smol_chat_ids):
 def test_bad_sampling_params_name_the_field(kw, name):
     with pytest.raises(ValueError, match=f"SamplingParams.{name}="):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("vocab", [5, 1000, 49152, 70000])
+def test_cpu_noise_is_the_whole_batch_formula_bit_for_bit(vocab):
+    """The CPU's in-place, few-rows-at-a-time noise equals the formula the other devices run on whole tensors,
+    so a seed gives the same tokens on every device."""
+    from tercel.sampling import _GOLDEN, _mix64, _shr, draw_noise
+
+    keys = torch.randint(-2**62, 2**62, (3, 5), generator=torch.Generator().manual_seed(vocab))
+    idx = torch.arange(1, vocab + 1, dtype=torch.int64)
+    u = (_shr(_mix64(keys[..., None] + idx * _GOLDEN), 11).double() + 0.5) * 2.0 ** -53
+    assert torch.equal(draw_noise(keys, vocab, torch.device("cpu")), (-torch.log(u)).float())
