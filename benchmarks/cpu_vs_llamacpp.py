@@ -95,6 +95,16 @@ def prompt_token_counts(texts: list[str], tercel_llm, hf_tok, llama) -> dict[str
     return counts
 
 
+def _compile_stats(handle: object) -> dict | None:
+    """A compiled engine's compile count and time (tercel/graphs/compiled.py), else None."""
+    compiled = getattr(getattr(handle, "engine", None), "compiled", None)
+    if compiled is None:
+        return None
+    st = compiled.stats
+    return {"compiles": st.compiles, "compile_seconds": round(st.compile_seconds, 2),
+            "compiled_steps": st.compiled_steps, "eager_steps": dict(st.fallbacks)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads for every engine (default 2)")
@@ -118,6 +128,13 @@ def main() -> None:
         try:
             if name == "tercel_default":
                 engines[name], handles[name] = tercel_engine(path, args.threads, n)
+            elif name == "tercel_auto":  # what `tercel generate` runs: AUTO speculation
+                engines[name], handles[name] = tercel_engine(path, args.threads, n, speculative_algorithm="AUTO")
+            elif name == "tercel_compiled":
+                engines[name], handles[name] = tercel_engine(path, args.threads, n, cpu_compile=True)
+            elif name == "tercel_auto_compiled":
+                engines[name], handles[name] = tercel_engine(path, args.threads, n, cpu_compile=True,
+                                                             speculative_algorithm="AUTO")
             elif name == "tercel_fp32":
                 engines[name], handles[name] = tercel_engine(path, args.threads, n, dtype="float32")
             elif name == "hf_fp32":
@@ -125,8 +142,8 @@ def main() -> None:
             elif name == "llama_cpp":
                 engines[name], handles[name] = llamacpp_engine(path, args.threads, n)
             else:
-                raise SystemExit(f"--engines: unknown engine {name!r}; use tercel_default, tercel_fp32, hf_fp32, "
-                                 f"llama_cpp")
+                raise SystemExit(f"--engines: unknown engine {name!r}; use tercel_default, tercel_auto, "
+                                 f"tercel_compiled, tercel_auto_compiled, tercel_fp32, hf_fp32, llama_cpp")
         except ImportError as e:  # llama-cpp-python not installed: record why, measure the rest
             missing[name] = f"{type(e).__name__}: {e}"
             print(f"{name}: not measured ({missing[name]})", file=sys.stderr)
@@ -137,8 +154,12 @@ def main() -> None:
     sets = {kind: [tok.decode(tok.apply_chat_template([{"role": "user", "content": p}]), skip_special_tokens=False)
                    for p in prompts[:args.prompts]]
             for kind, prompts in (("chat", EVAL_CHAT_PROMPTS), ("code", EVAL_CODE_PROMPTS))}
-    for gen in engines.values():  # warm-up: first-call costs (allocations, oneDNN / llama.cpp setup)
-        gen(sets["chat"][0])
+    warmup_s = {}
+    for name, gen in engines.items():  # warm-up: first-call costs (allocations, oneDNN / llama.cpp setup, compiles)
+        t = time.perf_counter()
+        for kind in sets:  # both sets: a compiled engine compiles every step shape it will meet
+            gen(sets[kind][0])
+        warmup_s[name] = round(time.perf_counter() - t, 2)
 
     def summarize(complete: bool) -> tuple[dict, dict]:
         """Write the result file from the times so far (a run cut short still leaves its numbers)."""
@@ -146,10 +167,20 @@ def main() -> None:
                  for e, per in times.items()}
         ratios = {}
         for kind in sets:
-            default = tok_s.get("tercel_default", {}).get(kind)
-            for peer in ("hf_fp32", "llama_cpp", "tercel_fp32"):
-                if default and kind in tok_s.get(peer, {}):
-                    ratios.setdefault(f"tercel_default/{peer}", {})[kind] = round(default / tok_s[peer][kind], 3)
+            for ours in (e for e in tok_s if e.startswith("tercel_") and e != "tercel_fp32"):
+                mine = tok_s[ours].get(kind)
+                for peer in ("hf_fp32", "llama_cpp", "tercel_fp32", "tercel_default"):
+                    if mine and peer != ours and kind in tok_s.get(peer, {}):
+                        ratios.setdefault(f"{ours}/{peer}", {})[kind] = round(mine / tok_s[peer][kind], 3)
+        # per-round ratios against llama.cpp (the engines ran in turns within a round): their median
+        round_ratios = {}
+        if "llama_cpp" in times:
+            for ours in (e for e in times if e.startswith("tercel_")):
+                for kind in sets:
+                    per = [lt / mt for mt, lt in zip(times[ours][kind], times["llama_cpp"][kind])]
+                    if per:
+                        round_ratios.setdefault(f"{ours}/llama_cpp", {})[kind] = {
+                            "median": round(statistics.median(per), 3), "rounds": [round(x, 3) for x in per]}
         llama_version = None
         if "llama_cpp" in engines:
             import llama_cpp
@@ -166,6 +197,9 @@ def main() -> None:
                      f"tok/s = new tokens / wall time of the generate call (prefill included), median of "
                      f"{args.repeats} repeats after a warm-up, engines in turns",
             "engines": {"tercel_default": "tercel LLM(gguf): dtype auto",
+                        "tercel_auto": "tercel LLM(gguf, speculative_algorithm='AUTO'): what `tercel generate` runs",
+                        "tercel_compiled": "tercel LLM(gguf, cpu_compile=True): decode steps compiled (Inductor C++)",
+                        "tercel_auto_compiled": "tercel LLM(gguf, cpu_compile=True, speculative_algorithm='AUTO')",
                         "tercel_fp32": "tercel LLM(gguf, dtype='float32')",
                         "hf_fp32": f"transformers {transformers.__version__} generate, fp32 (gguf_file: dequantized)",
                         "llama_cpp": f"llama-cpp-python {llama_version} create_completion (Q4_1 kernels)"},
@@ -174,6 +208,9 @@ def main() -> None:
             "complete": complete,
             "tok_s": tok_s,
             "ratios": ratios,
+            "per_round_ratios": round_ratios,
+            "warmup_s": warmup_s,
+            "compile": {e: _compile_stats(h) for e, h in handles.items() if _compile_stats(h)},
             "times_s": {e: {k: [round(x, 3) for x in v] for k, v in per.items()} for e, per in times.items()},
             "prompt_tokens": prompt_token_counts(sets["chat"] + sets["code"], ref, hf_tok, handles.get("llama_cpp")),
             "env": {"commit": git_commit(), "torch": torch.__version__, "cpu": cpu_name(),

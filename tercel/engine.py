@@ -239,6 +239,13 @@ class LLMEngine:
         self._ids = itertools.count()
         self._grammars = None  # structured output's GrammarBackend, built on the first constrained request
         self._lock = threading.RLock()  # add/abort may come from another thread (the server)
+        # CPU: decode and verify steps run compiled code (tercel/graphs/compiled.py), compiled on first use
+        self.compiled = None
+        if config.kernel.cpu_compile and self.device.type == "cpu" and self.tp_group is None:
+            from .graphs.compiled import CompiledSteps
+            from .loader.cache import cache_root
+
+            self.compiled = CompiledSteps(self.model, self.kv, sched.max_num_seqs, str(cache_root() / "inductor"))
         # Speculative decoding (tercel.speculative): None keeps the plain decode path.
         from .speculative import build_spec_worker
         from .speculative.adaptive import check_adaptive
@@ -682,4 +689,12 @@ class LLMEngine:
         """The target forward: a CUDA-graph replay when the runner can serve the batch, else eager."""
         if self.graph_runner is not None:
             return self.graph_runner.run(batch)
+        return self.forward(batch)
+
+    def forward(self, batch: ForwardBatch) -> ModelOutput:
+        """The target forward without a CUDA graph: the compiled CPU step when it serves the batch, else eager."""
+        if self.compiled is not None:
+            out = self.compiled.run(batch)
+            if out is not None:
+                return out
         return self.model(batch, self.kv)

@@ -28,6 +28,8 @@ class TorchAttentionMetadata:
     uniform: int = 0
     # decode of one request that sees every key (the CPU latency case): decided once here, not per layer
     single: bool = False
+    # uniform batches as plain matmuls + softmax instead of SDPA: what a compiler fuses (graphs/compiled.py)
+    matmul: bool = False
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -108,6 +110,8 @@ class TorchAttentionBackend(AttentionBackend):
         """q: [T, H, D]; k, v: [T, Hkv, D] for this step's tokens. Returns [T, H * D]."""
         kv.write(layer, batch.out_cache_loc, k, v)
         k_cache, v_cache = kv.k_layers[layer], kv.v_layers[layer]
+        if meta.uniform and meta.matmul:
+            return self._uniform_matmul(q, _gather(k_cache, meta.slots), _gather(v_cache, meta.slots), meta)
         if meta.uniform:
             b, t = meta.slots.shape[0], meta.uniform
             keys = _gather(k_cache, meta.slots).transpose(1, 2)  # [B, Hkv, S, D]
@@ -134,6 +138,17 @@ class TorchAttentionBackend(AttentionBackend):
             oi = F.scaled_dot_product_attention(qi, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[offset:offset + q_len] = oi[0].transpose(0, 1)
         return out.reshape(q.shape[0], -1)
+
+    def _uniform_matmul(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        meta: TorchAttentionMetadata) -> torch.Tensor:
+        """keys, values: [B, S, Hkv, D]; the query heads grouped per KV head, scores in fp32."""
+        b, t, hkv = keys.shape[0], meta.uniform, self.num_kv_heads
+        group = self.num_heads // hkv
+        qg = q.view(b, t, hkv, group, self.head_dim).float()
+        scores = torch.einsum("btkgd,bskd->bkgts", qg, keys.float()) * self.scale  # [B, Hkv, G, t, S]
+        scores = scores.masked_fill(~meta.mask[:, :, None], float("-inf"))  # mask [B, 1, t, S]
+        out = torch.einsum("bkgts,bskd->btkgd", scores.softmax(-1), values.float())
+        return out.reshape(b * t, -1).to(q.dtype)
 
     def _single_decode(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """One request, one query: two bmm calls with the query heads grouped per KV head (fewer,

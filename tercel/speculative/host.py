@@ -50,6 +50,10 @@ class SpecEngine(Protocol):
 
     def run_model(self, batch: ForwardBatch) -> ModelOutput: ...
 
+    def forward(self, batch: ForwardBatch) -> ModelOutput:
+        """The target forward without a CUDA graph (compiled on the CPU when on, else eager)."""
+        ...
+
 
 class ChainHost(Protocol):
     """The speculative worker as its chain loop uses it (tercel.speculative.worker.SpecWorker)."""

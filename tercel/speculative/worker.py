@@ -170,7 +170,7 @@ class SpecWorker:
         eng = self.engine
         batch, sampled = step_batch(scheduled, eng.kv.block_size, eng.upload)
         batch.capture_hidden_mode = self.drafter.capture_hidden_mode
-        out = eng.model(batch, eng.kv)
+        out = eng.forward(batch)
         chunks, offset = [], 0
         for s in scheduled:
             r = s.request
@@ -229,7 +229,7 @@ class SpecWorker:
         runner = self.verify_runners.get(batch.query_lens[0])
         if runner is not None:
             return runner.run(batch)
-        return self.engine.model(batch, self.engine.kv)
+        return self.engine.forward(batch)
 
     # ---- the spec step -------------------------------------------------------------------
     def _spec_step(self, reqs: list[Request], width: int | None = None) -> list[RequestOutput]:
