@@ -1,16 +1,18 @@
-"""Building a step's ForwardBatch from scheduled requests: KV slots, positions, padded block tables.
+"""Building a step's rows: KV slots, positions, seq lens, padded block tables.
 
-The plain step, the speculative worker's normal path (prefill chunks, undrafted decodes) and the drafters'
-batches use these; `Upload` moves the integer lists to the device (one pinned copy on a GPU).
+`build_batch` is the one place that turns each request's (start, count, width, ids) into those rows; the plain
+step (`step_batch`), the speculative worker's normal path and verify batch, the decode windows and the drafters'
+batches all build with it. `Upload` moves the integer lists to the device (one pinned copy on a GPU).
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from .forward_batch import ForwardBatch
-from .kv import slot_of
 from .request import Request
 from .scheduler import ScheduledRequest
 
@@ -32,33 +34,101 @@ def padded_tables(reqs: Sequence[Request], width: int) -> list[int]:
     return out
 
 
+@dataclass(slots=True)
+class RowSpan:
+    """One request's rows in a batch: `count` real rows at positions start, start + 1, ..., then padding
+    rows up to `width` (None: no padding) that write the dummy slot 0."""
+    request: Request
+    start: int
+    count: int
+    width: int | None = None
+    ids: Sequence[int] | None = None  # the rows' token ids; padded with 0 up to the width
+
+    @property
+    def rows(self) -> int:
+        return self.count if self.width is None else self.width
+
+
+@dataclass(slots=True)
+class BatchRows:
+    """The rows of a batch on the host, request by request (each request's rows, then the next one's)."""
+    positions: list[int]  # start + j (padding rows go on counting)
+    slots: list[int]  # the KV slot of each real row; 0 (the dummy slot) for padding rows
+    seq_lens: list[int]  # start + width
+    tables: list[int]  # block tables, flat, padded or cut to `cols`
+    cols: int
+    ids: list[int]  # every row's token id (empty when the spans carry none)
+
+
+def span_slots(block_table: Sequence[int], start: int, count: int, block_size: int) -> list[int]:
+    """KV slots of positions [start, start + count): `table[pos // bs] * bs + pos % bs`, expanded one
+    block at a time (a range per block touched, no per-position Python work)."""
+    block, off = divmod(start, block_size)
+    if off + count <= block_size:  # one block (every decode row)
+        first = block_table[block] * block_size + off
+        return list(range(first, first + count))
+    out: list[int] = []
+    pos, end = start, start + count
+    while pos < end:
+        block, off = divmod(pos, block_size)
+        n = min(block_size - off, end - pos)
+        first = block_table[block] * block_size + off
+        out += range(first, first + n)
+        pos += n
+    return out
+
+
+def build_batch(spans: Sequence[RowSpan], block_size: int, cols: int | None = None) -> BatchRows:
+    """Every batch builder's rows: positions, KV slots, seq lens, the padded block tables (cols: their
+    width; None: the longest table) and the token ids, from each request's (start, count, width, ids)."""
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    ids: list[int] = []
+    for s in spans:
+        n = s.count if s.width is None else s.width
+        positions += range(s.start, s.start + n)
+        slots += span_slots(s.request.block_table, s.start, s.count, block_size)
+        seq_lens.append(s.start + n)
+        if n != s.count:
+            slots += [0] * (n - s.count)
+        if s.ids is not None:
+            ids += s.ids
+            if len(s.ids) != n:
+                ids += [0] * (n - len(s.ids))
+    reqs = [s.request for s in spans]
+    cols = max(len(r.block_table) for r in reqs) if cols is None else cols
+    return BatchRows(positions, slots, seq_lens, padded_tables(reqs, cols), cols, ids)
+
+
+def context_slots(reqs: Sequence[Request], lengths: Sequence[int], block_size: int,
+                  device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KV slots [B, max(lengths)] of each request's positions < lengths[i], as one tensor op over the
+    padded block tables (slot 0, the dummy slot, past a request's length), and which are valid."""
+    width = max(len(r.block_table) for r in reqs)
+    tables = torch.tensor(padded_tables(reqs, width), dtype=torch.long, device=device).view(len(reqs), width)
+    pos = torch.arange(max(lengths), device=device)
+    valid = pos[None, :] < torch.tensor(lengths, device=device)[:, None]
+    slots = tables[:, (pos // block_size).clamp(max=width - 1)] * block_size + pos % block_size
+    return torch.where(valid, slots, 0), valid
+
+
 def step_batch(scheduled: Sequence[ScheduledRequest], block_size: int,
                upload: Upload) -> tuple[ForwardBatch, list[ScheduledRequest]]:
     """One forward over each request's next `num_tokens` (a prefill chunk or a decode token): the batch,
     and the scheduled requests whose last row is sampled (their chunk completes the sequence)."""
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    seq_lens: list[int] = []
-    logits_idx: list[int] = []
-    sampled: list[ScheduledRequest] = []
-    for s in scheduled:
-        r = s.request
-        start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
-        ids.extend(r.token_slice(start, end))
-        positions.extend(range(start, end))
-        slots.extend(slot_of(r.block_table, p, block_size) for p in range(start, end))
-        seq_lens.append(end)
-        if s.completes_sequence:
-            logits_idx.append(len(ids) - 1)
-            sampled.append(s)
-    reqs = [s.request for s in scheduled]
-    width = max(len(r.block_table) for r in reqs)
+    spans = [RowSpan(s.request, s.request.num_computed_tokens, s.num_tokens,
+                     ids=s.request.token_slice(s.request.num_computed_tokens,
+                                               s.request.num_computed_tokens + s.num_tokens)) for s in scheduled]
+    rows = build_batch(spans, block_size)
+    sampled = [s for s in scheduled if s.completes_sequence]
+    ends = itertools.accumulate(s.num_tokens for s in scheduled)
+    logits_idx = [end - 1 for end, s in zip(ends, scheduled) if s.completes_sequence]
     t_ids, t_pos, t_slots, t_lens, t_tables, t_logits = upload(
-        [ids, positions, slots, seq_lens, padded_tables(reqs, width), logits_idx])
+        [rows.ids, rows.positions, rows.slots, rows.seq_lens, rows.tables, logits_idx])
     batch = ForwardBatch(
         input_ids=t_ids, positions=t_pos, out_cache_loc=t_slots, seq_lens=t_lens,
-        block_tables=t_tables.view(len(reqs), width), logits_indices=t_logits,
-        query_lens=[s.num_tokens for s in scheduled], seq_lens_cpu=seq_lens,
+        block_tables=t_tables.view(len(spans), rows.cols), logits_indices=t_logits,
+        query_lens=[s.num_tokens for s in scheduled], seq_lens_cpu=rows.seq_lens,
     )
     return batch, sampled

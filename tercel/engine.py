@@ -35,11 +35,11 @@ from pathlib import Path
 
 import torch
 
-from .batching import step_batch
+from .batching import RowSpan, build_batch, step_batch
 from .config import ConfigError, EngineConfig, ModelLoadConfig
 from .cpu_threads import apply_threads
 from .forward_batch import ForwardBatch, ModelOutput
-from .kv import KVCacheSpec, PagedKVCache, num_kv_blocks, slot_of
+from .kv import KVCacheSpec, PagedKVCache, num_kv_blocks
 from .loader.model_loader import Checkpoint, DtypeChoice, LoadedModel, load_model, read_checkpoint, resolve_dtype
 from .loader.tokenizer import Tokenizer
 from .output_sink import OutputSink
@@ -87,6 +87,11 @@ class InflightWindow:
     ready: torch.cuda.Event | None  # None on CPU (the forwards ran synchronously)
     spec_plain: bool = False  # plain steps granted by adaptive speculation
     hidden: torch.Tensor | None = None  # spec_plain: [num_steps, B, H] the drafter's hidden rows
+
+
+def _step_major(rows: list[int], num_steps: int) -> list[int]:
+    """Request-major rows (each request's num_steps in turn) reordered step by step."""
+    return list(itertools.chain.from_iterable(zip(*(rows[i:i + num_steps] for i in range(0, len(rows), num_steps)))))
 
 
 def engine_config(model: "str | Path | EngineConfig | None", config: EngineConfig | None,
@@ -559,17 +564,12 @@ class LLMEngine:
                       first_ids: torch.Tensor | None = None) -> DecodeWindow:
         """ahead, first_ids: the window after an in-flight one, whose last tokens (on the device) are the
         input of forward 0 and whose `ahead` positions are not counted in num_computed_tokens yet."""
-        bs = self.kv.block_size
-        positions, slots, seq_lens = [], [], []
-        for step in range(num_steps):
-            for r in reqs:
-                p = r.num_computed_tokens + ahead + step
-                positions.append(p)
-                slots.append(slot_of(r.block_table, p, bs))
-                seq_lens.append(p + 1)
-        width = max(len(r.block_table) for r in reqs)
-        tables = [b for r in reqs for b in r.block_table + [0] * (width - len(r.block_table))]
-        lists = [positions, slots, seq_lens, tables, list(range(len(reqs)))]
+        rows = build_batch([RowSpan(r, r.num_computed_tokens + ahead, num_steps) for r in reqs], self.kv.block_size)
+        # the rows come request by request; the window reads them step by step
+        positions, slots = _step_major(rows.positions, num_steps), _step_major(rows.slots, num_steps)
+        seq_lens = [p + 1 for p in positions]
+        width = rows.cols
+        lists = [positions, slots, seq_lens, rows.tables, list(range(len(reqs)))]
         sampled = any(not r.params.greedy for r in reqs)
         if sampled:  # draw r.draws + step of each stream, taken now (greedy rows draw too, unused)
             lists += [[r.seed for r in reqs], [r.draws for r in reqs]]

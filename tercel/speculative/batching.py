@@ -7,9 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batching import Upload, blocks_covering, padded_tables
+from ..batching import RowSpan, Upload, blocks_covering, build_batch
 from ..forward_batch import CaptureHiddenMode, ForwardBatch
-from ..kv import slot_of
 from ..request import Request
 from .tree import DraftTree
 
@@ -31,10 +30,8 @@ def verify_batch(reqs: Sequence[Request], trees: Sequence[DraftTree] | None, dev
     """Every request gets `width` rows: node j of its tree at KV slot base + j (RoPE position base +
     depth[j]); rows past the tree are padding that writes the dummy slot. Token ids come from the trees
     (host) or, for device-drafted chains, from `device_tokens` [B, W]."""
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    seq_lens: list[int] = []
+    spans: list[RowSpan] = []
+    tree_positions: list[int] = []  # trees: node j at RoPE position base + depth[j] (padding rows: the root's)
     lens: list[int] = []
     parents: list[int] = []
     depth: list[int] = []
@@ -42,20 +39,20 @@ def verify_batch(reqs: Sequence[Request], trees: Sequence[DraftTree] | None, dev
         base = r.num_computed_tokens
         n = len(trees[i]) if trees is not None else width
         pad = width - n
-        if trees is not None:
-            t = trees[i]
-            ids += t.tokens + [t.tokens[0]] * pad
-            positions += [base + d for d in t.depth] + [base] * pad
-            if with_masks:
-                parents += t.parents + [-1] * pad
-                depth += t.depth + [0] * pad
-        else:
-            positions += range(base, base + width)
-        slots += [slot_of(r.block_table, base + j, block_size) for j in range(n)] + [0] * pad
-        seq_lens.append(base + width)
         lens.append(n)
-    cols = blocks_covering(max(seq_lens), block_size)
-    lists = [positions, slots, seq_lens, padded_tables(reqs, cols), lens, ids, parents, depth]
+        if trees is None:
+            spans.append(RowSpan(r, base, n, width))
+            continue
+        t = trees[i]
+        spans.append(RowSpan(r, base, n, width, t.tokens + [t.tokens[0]] * pad))
+        tree_positions += [base + d for d in t.depth] + [base] * pad
+        if with_masks:
+            parents += t.parents + [-1] * pad
+            depth += t.depth + [0] * pad
+    cols = blocks_covering(max(r.num_computed_tokens for r in reqs) + width, block_size)
+    rows = build_batch(spans, block_size, cols)
+    lists = [tree_positions if trees is not None else rows.positions, rows.slots, rows.seq_lens, rows.tables, lens,
+             rows.ids, parents, depth]
     t_pos, t_slots, t_lens, t_tables, t_n, t_ids, t_par, t_depth = upload(lists)
     b = len(reqs)
     if device_tokens is not None:
@@ -70,7 +67,7 @@ def verify_batch(reqs: Sequence[Request], trees: Sequence[DraftTree] | None, dev
     batch = ForwardBatch(
         input_ids=t_ids, positions=t_pos, out_cache_loc=t_slots, seq_lens=t_lens,
         block_tables=t_tables.view(b, cols), logits_indices=torch.arange(b * width, device=device),
-        query_lens=[width] * b, seq_lens_cpu=seq_lens,
+        query_lens=[width] * b, seq_lens_cpu=rows.seq_lens,
         custom_masks=list(masks.unbind(0)) if masks is not None else None, capture_hidden_mode=mode)
     layout = VerifyLayout(width, t_ids.view(b, width), t_n, t_par.view(b, width) if with_masks else None,
                           t_depth.view(b, width) if with_masks else None, masks)

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..batching import RowSpan, build_batch, context_slots
 from ..forward_batch import CaptureHiddenMode
-from ..kv import PagedKVCache, slot_of
+from ..kv import PagedKVCache
 from ..loader.drafts import load_dflash
 from ..models.dflash import DFlashDraftModel
 from ..request import Request
@@ -106,18 +107,13 @@ class DFlashDrafter(Drafter):
     def ready(self, req: Request) -> bool:
         return self._state(req).context_len == req.num_computed_tokens
 
-    def _slots(self, r: Request, positions: range) -> list[int]:
-        bs = self.engine.kv.block_size
-        return [slot_of(r.block_table, p, bs) for p in positions]
-
-    def _inject(self, rows: list[int], reqs_positions: list[tuple[Request, range]], hidden: torch.Tensor) -> None:
-        positions = [p for _, rng in reqs_positions for p in rng]
-        slots = [s for r, rng in reqs_positions for s in self._slots(r, rng)]
+    def _inject(self, rows: list[int], spans: list[RowSpan], hidden: torch.Tensor) -> None:
+        built = build_batch(spans, self.engine.kv.block_size)
         dev = self.engine.device
-        self.draft.inject_context(hidden[torch.tensor(rows, device=dev)],
-                                  torch.tensor(positions, device=dev), torch.tensor(slots, device=dev), self.cache)
-        for r, rng in reqs_positions:
-            self._state(r).context_len = r.draft_kv_len = rng.stop
+        self.draft.inject_context(hidden[torch.tensor(rows, device=dev)], torch.tensor(built.positions, device=dev),
+                                  torch.tensor(built.slots, device=dev), self.cache)
+        for s in spans:
+            self._state(s.request).context_len = s.request.draft_kv_len = s.start + s.count
 
     def after_extend(self, chunks: list[ExtendedChunk], hidden: torch.Tensor | None) -> None:
         assert hidden is not None, "DFlash needs the target's FULL hidden states"
@@ -127,7 +123,7 @@ class DFlashDrafter(Drafter):
             if st.context_len != c.start:  # preempted and recomputing: start over from this chunk
                 st.context_len = c.start
             rows += range(c.row_offset, c.row_offset + c.end - c.start)
-            spans.append((c.request, range(c.start, c.end)))
+            spans.append(RowSpan(c.request, c.start, c.end - c.start))
         self._inject(rows, spans, hidden)
 
     def after_verify(self, reqs: list[Request], trees: list[DraftTree], accepted: list[Accepted],
@@ -138,7 +134,7 @@ class DFlashDrafter(Drafter):
             nodes = [0, *acc.nodes]  # the root and the accepted drafts now hold committed positions
             base = r.num_computed_tokens - len(nodes)
             rows += [off + j for j in nodes]
-            spans.append((r, range(base, base + len(nodes))))
+            spans.append(RowSpan(r, base, len(nodes)))
         self._inject(rows, spans, hidden)
 
     # ---- draft ---------------------------------------------------------------------------
@@ -146,13 +142,9 @@ class DFlashDrafter(Drafter):
     def propose(self, reqs: list[Request]) -> list[DraftTree]:
         eng, dev, s = self.engine, self.engine.device, self.block_size
         ctx_lens = [r.num_computed_tokens for r in reqs]
-        c_max, kv_bs = max(ctx_lens), eng.kv.block_size
-        width = max(len(r.block_table) for r in reqs)
-        tables = torch.tensor([r.block_table + [0] * (width - len(r.block_table)) for r in reqs])
-        pos = torch.arange(c_max)
-        ctx_mask = pos[None, :] < torch.tensor(ctx_lens)[:, None]
+        kv_bs = eng.kv.block_size
         # context slots from the block tables; padded positions read slot 0 and are masked out
-        ctx_slots = torch.where(ctx_mask, tables[:, (pos // kv_bs).clamp(max=width - 1)] * kv_bs + pos % kv_bs, 0)
+        ctx_slots, ctx_mask = context_slots(reqs, ctx_lens, kv_bs, "cpu")
         block_ids = torch.full((len(reqs), s), self.mask_token_id, dtype=torch.long)
         block_ids[:, 0] = torch.tensor([(r.output_token_ids or r.prompt_token_ids)[-1] for r in reqs])
         positions = torch.tensor(ctx_lens)[:, None] + torch.arange(s)[None, :]

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ..batching import blocks_covering, padded_tables
+from ..batching import RowSpan, blocks_covering, build_batch, context_slots, padded_tables
 from ..forward_batch import CaptureHiddenMode
 from ..graphs.runner import CudaGraphRunner, GraphConfig
-from ..kv import PagedKVCache, slot_of
+from ..kv import PagedKVCache
 from ..loader.drafts import load_eagle_draft
 from ..loader.model_loader import draft_dtype
 from ..models.eagle3 import EagleDraftModel
@@ -154,18 +154,7 @@ class EagleDrafter(Drafter):
     # ---- helpers -------------------------------------------------------------------------
     def _prefix(self, reqs: list[Request], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Paged slots [B, S_max] of positions < lengths[i] (slot 0 where invalid) and their validity."""
-        dev, bs = self.engine.device, self.kv.block_size
-        s_max = max(lengths)
-        width = max(len(r.block_table) for r in reqs)
-        tables = torch.tensor([r.block_table + [0] * (width - len(r.block_table)) for r in reqs],
-                              dtype=torch.long, device=dev)
-        pos = torch.arange(s_max, device=dev)
-        valid = pos[None, :] < torch.tensor(lengths, device=dev)[:, None]
-        slots = tables[:, pos // bs] * bs + pos % bs if s_max else tables[:, :0]
-        return torch.where(valid, slots, torch.zeros_like(slots)), valid
-
-    def _slot(self, r: Request, pos: int) -> int:
-        return slot_of(r.block_table, pos, self.kv.block_size)
+        return context_slots(reqs, lengths, self.kv.block_size, self.engine.device)
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.model.draft_to_target[draft_ids] if self.model.maps_vocab else draft_ids
@@ -179,21 +168,19 @@ class EagleDrafter(Drafter):
         dev = self.engine.device
         b = len(reqs)
         max_pos = self.engine.config.max_model_len - 1
-        id_rows, pos_rows, slot_rows = [], [], []
+        rows = build_batch([RowSpan(r, s, len(toks), width, toks) for r, s, toks in zip(reqs, starts, ids)],
+                           self.kv.block_size)
         h = hidden[0].new_zeros(b, width, hidden[0].shape[-1])
-        for i, (r, s, toks, hid) in enumerate(zip(reqs, starts, ids, hidden)):
-            n = len(toks)
-            id_rows.append(toks + [0] * (width - n))
-            pos_rows.append([min(s + j, max_pos) for j in range(width)])
-            slot_rows.append([self._slot(r, s + j) for j in range(n)] + [0] * (width - n))  # padding -> dummy slot
-            h[i, :n] = hid
+        for i, (toks, hid) in enumerate(zip(ids, hidden)):
+            h[i, :len(toks)] = hid
         prefix_slots, prefix_valid = self._prefix(reqs, starts)
         attn = _PrefixAttention(self.kv, prefix_slots, prefix_valid, width, self.scale)
         attn.entries = torch.arange(width, device=dev)
         attn.mask = torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None].expand(b, -1, -1)
-        attn.write_slots = torch.tensor(slot_rows, dtype=torch.long, device=dev).view(-1)
-        out = self.model(torch.tensor(id_rows, device=dev).view(-1), h.view(b * width, -1),
-                         torch.tensor(pos_rows, device=dev).view(-1), attn, from_target=True)
+        attn.write_slots = torch.tensor(rows.slots, dtype=torch.long, device=dev)
+        positions = [min(p, max_pos) for p in rows.positions]
+        out = self.model(torch.tensor(rows.ids, device=dev), h.view(b * width, -1), torch.tensor(positions, device=dev),
+                         attn, from_target=True)
         last = torch.tensor([len(t) - 1 for t in ids], device=dev) + torch.arange(b, device=dev) * width
         h_last = out[last]
         logits = self.model.compute_logits(h_last)
@@ -216,19 +203,17 @@ class EagleDrafter(Drafter):
         """draft_extend over the root and the accepted drafts, num_draft_tokens rows per request (a static
         shape: the rest are padding rows that write the dummy slot)."""
         w, bs = self.num_draft_tokens, self.kv.block_size
-        ids, positions, slots, seq_lens, last, rows = [], [], [], [], [], []
+        spans, last, rows = [], [], []
         for r, acc, off in zip(reqs, accepted, row_offsets):
             n = len(acc.nodes) + 1
             start = r.num_computed_tokens - n  # the root's position
-            ids += r.token_slice(start + 1, start + n + 1) + [0] * (w - n)
-            positions += range(start, start + w)
-            slots += [slot_of(r.block_table, start + j, bs) for j in range(n)] + [0] * (w - n)
-            seq_lens.append(start + w)
+            spans.append(RowSpan(r, start, n, w, r.token_slice(start + 1, start + n + 1)))
             last.append(n - 1)
             rows += [off] + [off + j for j in acc.nodes] + [off] * (w - n)
-        cols = blocks_covering(max(seq_lens), bs)
-        t = self.engine.upload([ids, positions, slots, seq_lens, padded_tables(reqs, cols), last, rows])
-        batch = DraftExtendBatch(t[0], hidden[t[6]], t[1], t[2], t[3], t[4].view(len(reqs), cols), t[5], seq_lens)
+        br = build_batch(spans, bs, blocks_covering(max(s.start for s in spans) + w, bs))
+        t = self.engine.upload([br.ids, br.positions, br.slots, br.seq_lens, br.tables, last, rows])
+        batch = DraftExtendBatch(t[0], hidden[t[6]], t[1], t[2], t[3], t[4].view(len(reqs), br.cols), t[5],
+                                 br.seq_lens)
         out = self._run(self.extend_runner, self.extend_step, batch)
         # the outputs are graph buffers that the next replay overwrites: the states keep a copy
         h, logits, first = out.hidden.clone(), out.logits.clone(), out.first.clone()
