@@ -32,12 +32,14 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .batching import RowSpan, build_batch, step_batch
 from .config import ConfigError, EngineConfig, ModelLoadConfig
 from .cpu_threads import apply_threads
+from .executor import DECODE, Executor
 from .forward_batch import ForwardBatch, ModelOutput
 from .kv import KVCacheSpec, PagedKVCache, num_kv_blocks
 from .loader.model_loader import Checkpoint, DtypeChoice, LoadedModel, load_model, read_checkpoint, resolve_dtype
@@ -49,6 +51,10 @@ from .request import Request
 from .sampling import Sampler, SamplingTensors, greedy_tokens, sample_rows, stream_keys
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledRequest, Scheduler
+
+if TYPE_CHECKING:
+    from .graphs.compiled import CompiledSteps
+    from .graphs.runner import CudaGraphRunner
 
 log = logging.getLogger(__name__)
 
@@ -213,23 +219,23 @@ class LLMEngine:
     def _init_after_load(self, config: EngineConfig, loaded: LoadedModel) -> None:
         m, sched = config.model, config.scheduler
         self.loaded = loaded
-        self.model = loaded.model
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         if m.chat_template is not None and self.tokenizer is not None:  # a copy: the loaded model may be shared
             self.tokenizer = copy.copy(self.tokenizer)
             self.tokenizer.set_chat_template(m.chat_template)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
-        m.max_model_len = m.max_model_len or self.model.max_positions
+        m.max_model_len = m.max_model_len or loaded.model.max_positions
         self.config = config
         block_size = config.cache.block_size
-        spec = KVCacheSpec.for_model(self.model.config, block_size, self.dtype)  # a TP rank's model: its KV heads
+        spec = KVCacheSpec.for_model(loaded.model.config, block_size, self.dtype)  # a TP rank's model: its KV heads
         num_blocks = num_kv_blocks(config, spec, self.device)
         if self.tp_group is not None:  # the same pool on every rank: the smallest any rank can hold
             num_blocks = self.tp_group.agree_start(num_blocks)
             if num_blocks <= 0:
                 raise ConfigError("a tensor-parallel rank failed to load its shard (its error is printed above).")
-        self.kv = PagedKVCache(spec, num_blocks, self.device)
+        # the executor owns the model, the KV pool, the input upload and the graph runners (executor.py)
+        self.executor = Executor(loaded.model, PagedKVCache(spec, num_blocks, self.device), self.device)
         usable_tokens = self.kv.allocator.num_usable * block_size
         if usable_tokens < self.config.max_model_len:
             raise ConfigError(
@@ -244,13 +250,14 @@ class LLMEngine:
         self._ids = itertools.count()
         self._grammars = None  # structured output's GrammarBackend, built on the first constrained request
         self._lock = threading.RLock()  # add/abort may come from another thread (the server)
-        # CPU: decode and verify steps run compiled code (tercel/graphs/compiled.py), compiled on first use
-        self.compiled = None
+        # CPU: decode and verify steps run compiled code (tercel/graphs/compiled.py), compiled on first use;
+        # the executor's forward tries it before the eager model
         if config.kernel.cpu_compile and self.device.type == "cpu" and self.tp_group is None:
             from .graphs.compiled import CompiledSteps
             from .loader.cache import cache_root
 
-            self.compiled = CompiledSteps(self.model, self.kv, sched.max_num_seqs, str(cache_root() / "inductor"))
+            self.executor.compiled = CompiledSteps(self.model, self.kv, sched.max_num_seqs,
+                                                   str(cache_root() / "inductor"))
         # Speculative decoding (tercel.speculative): None keeps the plain decode path.
         from .speculative import build_spec_worker
         from .speculative.adaptive import check_adaptive
@@ -266,14 +273,9 @@ class LLMEngine:
             self.scheduler.prefix_cache = PrefixCache(
                 self.kv.allocator, block_size, lookahead=drafter.kv_lookahead if drafter is not None else 0,
                 draft_kv=drafter is not None and drafter.has_kv)
-        # GPU fast path (tercel.graphs): decode steps replay CUDA graphs captured now; inputs go up in one copy.
-        self.graph_runner = None
-        self._stager = None
+        # GPU fast path (tercel.graphs): decode steps replay CUDA graphs captured now (the executor's runners)
         self.gemv_choices = None
         if self.device.type == "cuda":
-            from .graphs.staging import HostStager
-
-            self._stager = HostStager(self.device)
             self._download_stream = torch.cuda.Stream(self.device)
             # batch-1 linears: cuBLAS or the Triton GEMV, whichever this GPU runs faster (measured once per model)
             self.gemv_choices = getattr(self.model, "gemv_choices", None)
@@ -301,29 +303,56 @@ class LLMEngine:
 
     def _init_graphs(self, max_bs: int | None, batch_sizes: list[int] | None, backend: str, max_num_seqs: int) -> None:
         from .graphs import GraphConfig
-        from .graphs.steps import decode_graph_runner
+        from .graphs.steps import ModelStep
 
         graph_config = GraphConfig(max_bs=min(max_bs or 256, max_num_seqs),
                                    batch_sizes=tuple(batch_sizes) if batch_sizes else None, backend=backend)
         extra = self.spec.extra_slots if self.spec else 0
-        self.graph_runner = decode_graph_runner(self.model, self.kv, self.config.max_model_len, graph_config,
-                                                extra_tokens=extra)
+        max_blocks = -(-(self.config.max_model_len + extra) // self.kv.block_size) + 1
+        runner = self.executor.register(DECODE, ModelStep(self.model, self.kv, max_blocks), graph_config)
+        log.info("captured %d decode graphs (batch sizes %s) in %.1f s", len(runner.graphs), runner.buckets,
+                 runner.stats.capture_seconds)
         if self.spec is not None:
             # speculative steps hold logits for every verified token: their buckets stop lower
             spec_max = min(graph_config.max_bs, SPEC_GRAPH_MAX_BS)
             sizes = tuple(b for b in graph_config.buckets() if b <= spec_max) or (spec_max,)
             spec_config = GraphConfig(max_bs=spec_max, backend=backend, batch_sizes=sizes)
-            max_blocks = -(-(self.config.max_model_len + extra) // self.kv.block_size) + 1
             start = time.perf_counter()
             self.spec.init_graphs(spec_config, max_blocks)
             log.info("captured speculative graphs (batch sizes up to %d) in %.1f s", spec_max,
                      time.perf_counter() - start)
 
     def upload(self, lists: list[list[int]]) -> list[torch.Tensor]:
-        """Small integer lists to the device as int64 tensors: one pinned copy on a GPU."""
-        if self._stager is not None:
-            return self._stager.upload(lists)
-        return [torch.tensor(x, dtype=torch.long, device=self.device) for x in lists]
+        """Small integer lists to the device as int64 tensors: one pinned copy on a GPU (the executor's)."""
+        return self.executor.upload(lists)
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The target model (the executor's; None once shut down)."""
+        ex = getattr(self, "executor", None)
+        return None if ex is None else ex.model
+
+    @property
+    def kv(self) -> PagedKVCache | None:
+        """The target's paged KV pool (the executor's; None once shut down)."""
+        ex = getattr(self, "executor", None)
+        return None if ex is None else ex.kv
+
+    @property
+    def compiled(self) -> CompiledSteps | None:
+        """The compiled CPU steps (--cpu-compile; the executor's), else None."""
+        ex = getattr(self, "executor", None)
+        return None if ex is None else ex.compiled
+
+    @property
+    def graph_runner(self) -> CudaGraphRunner | None:
+        """The decode graph runner (the executor's), None when decode runs eagerly."""
+        ex = getattr(self, "executor", None)
+        return None if ex is None else ex.runner(DECODE)
+
+    @graph_runner.setter
+    def graph_runner(self, runner: CudaGraphRunner | None) -> None:
+        self.executor.use(DECODE, runner)
 
     # ---- tensor parallelism (tercel.distributed, docs/parallel.md) ------------------------------
     def _start_tensor_parallel(self, config: EngineConfig, loaded: LoadedModel | None,
@@ -384,8 +413,8 @@ class LLMEngine:
                 inflight.ready.synchronize()  # the last window's kernels finish before their buffers go
             if getattr(self, "tp_group", None) is not None:
                 self._tp_finalizer()
-            for name in ("_inflight", "spec", "graph_runner", "_stager", "_download_stream", "_draft_target", "kv",
-                         "scheduler", "sink", "sampler", "model", "loaded", "gemv_choices"):
+            for name in ("_inflight", "spec", "executor", "_download_stream", "_draft_target", "scheduler", "sink",
+                         "sampler", "loaded", "gemv_choices"):
                 setattr(self, name, None)
             self.requests = {}  # (the sink, gone above, held the old dict)
         device = getattr(self, "device", None)
@@ -577,10 +606,7 @@ class LLMEngine:
                 r.draws += num_steps
         if first_ids is None:
             lists.append([(r.output_token_ids or r.prompt_token_ids)[-1] for r in reqs])
-        if self._stager is not None:  # GPU: the whole window's inputs in one pinned upload
-            t = self._stager.upload(lists)
-        else:
-            t = [torch.tensor(x, dtype=torch.long, device=self.device) for x in lists]
+        t = self.upload(lists)  # GPU: the whole window's inputs in one pinned upload
         b = len(reqs)
         keys = None
         if sampled:
@@ -686,15 +712,10 @@ class LLMEngine:
         return outputs
 
     def run_model(self, batch: ForwardBatch) -> ModelOutput:
-        """The target forward: a CUDA-graph replay when the runner can serve the batch, else eager."""
-        if self.graph_runner is not None:
-            return self.graph_runner.run(batch)
-        return self.forward(batch)
+        """The target forward: a decode-graph replay when the executor's runner can serve the batch, else the
+        executor's forward (the compiled CPU step when on, else eager)."""
+        return self.executor.run(DECODE, batch)
 
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         """The target forward without a CUDA graph: the compiled CPU step when it serves the batch, else eager."""
-        if self.compiled is not None:
-            out = self.compiled.run(batch)
-            if out is not None:
-                return out
-        return self.model(batch, self.kv)
+        return self.executor.forward(batch)

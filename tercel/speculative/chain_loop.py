@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..batching import padded_tables
+from ..executor import CHAIN
 from ..graphs.runner import CudaGraphRunner
 from ..outputs import RequestOutput
 from ..request import Request
@@ -45,6 +46,7 @@ class InflightChain:
 
 class ChainLoop:
     def __init__(self, worker: ChainHost, runner: CudaGraphRunner) -> None:
+        """runner: the executor's CHAIN runner (chained replays restage nothing: they read its buffers)."""
         self.worker = weakref.proxy(worker)  # the worker owns this loop: no reference cycle back to it
         self.engine = worker.engine
         self.runner = runner
@@ -67,12 +69,12 @@ class ChainLoop:
         n = len(reqs)
         cols = max(len(r.block_table) for r in reqs)
         roots = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in reqs]
-        t = eng.upload([roots, [r.num_computed_tokens for r in reqs], padded_tables(reqs, cols), [1] * n])
+        t = eng.executor.upload([roots, [r.num_computed_tokens for r in reqs], padded_tables(reqs, cols), [1] * n])
         states = [r.spec_state for r in reqs]
         batch = ChainBatch(t[0], torch.stack([s.first for s in states]), torch.stack([s.hidden for s in states]),
                            t[1], t[2].view(n, cols), t[3])
         eager_before = self.runner.stats.eager
-        out = self.runner.run(batch)
+        out = eng.executor.run(CHAIN, batch)  # self.runner's replay (or its counted eager fallback)
         w = self._in_flight(reqs, out, [len(r.block_table) for r in reqs])
         # chained replays read the graph's buffers: only after a replay (not an eager fallback) filled them
         if eng.overlap_schedule and not self.worker.profile.enabled and self.runner.stats.eager == eager_before:
@@ -106,7 +108,8 @@ class ChainLoop:
             cols = max(lens)
             bucket = self.runner.bucket_for(len(w.reqs))
             view = self.runner.buffers.view("block_tables", bucket)
-            view[:len(w.reqs), :cols].copy_(eng.upload([padded_tables(w.reqs, cols)])[0].view(len(w.reqs), cols))
+            table = eng.executor.upload([padded_tables(w.reqs, cols)])[0]
+            view[:len(w.reqs), :cols].copy_(table.view(len(w.reqs), cols))
         out = self.runner.replay_unstaged(len(w.reqs))
         return None if out is None else self._in_flight(w.reqs, out, lens)
 

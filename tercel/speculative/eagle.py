@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..batching import RowSpan, blocks_covering, build_batch, context_slots, padded_tables
+from ..executor import DRAFT, DRAFT_EXTEND
 from ..forward_batch import CaptureHiddenMode
 from ..graphs.runner import CudaGraphRunner, GraphConfig
 from ..kv import PagedKVCache
@@ -131,8 +132,8 @@ class EagleDrafter(Drafter):
         self.max_blocks = -(-(engine.config.max_model_len + num_draft_tokens) // engine.kv.block_size) + 1
         self.loop_step = EagleDraftLoopStep(model, self.kv, backend, self.max_blocks, max_position, num_steps)
         self.extend_step = EagleExtendStep(model, self.kv, backend, self.max_blocks, max_position, num_draft_tokens)
-        self.loop_runner: CudaGraphRunner | None = None
-        self.extend_runner: CudaGraphRunner | None = None
+        engine.executor.register(DRAFT, self.loop_step)
+        engine.executor.register(DRAFT_EXTEND, self.extend_step)
 
     @classmethod
     def load(cls, engine: SpecEngine, cfg: "SpecConfig") -> "EagleDrafter":
@@ -211,10 +212,10 @@ class EagleDrafter(Drafter):
             last.append(n - 1)
             rows += [off] + [off + j for j in acc.nodes] + [off] * (w - n)
         br = build_batch(spans, bs, blocks_covering(max(s.start for s in spans) + w, bs))
-        t = self.engine.upload([br.ids, br.positions, br.slots, br.seq_lens, br.tables, last, rows])
+        t = self.engine.executor.upload([br.ids, br.positions, br.slots, br.seq_lens, br.tables, last, rows])
         batch = DraftExtendBatch(t[0], hidden[t[6]], t[1], t[2], t[3], t[4].view(len(reqs), br.cols), t[5],
                                  br.seq_lens)
-        out = self._run(self.extend_runner, self.extend_step, batch)
+        out = self.engine.executor.run(DRAFT_EXTEND, batch)
         # the outputs are graph buffers that the next replay overwrites: the states keep a copy
         h, logits, first = out.hidden.clone(), out.logits.clone(), out.first.clone()
         for i, r in enumerate(reqs):
@@ -225,11 +226,19 @@ class EagleDrafter(Drafter):
     def init_graphs(self, config: GraphConfig, max_blocks: int) -> None:
         self.max_blocks = max_blocks
         self.loop_step.max_blocks = self.extend_step.max_blocks = max_blocks
-        self.extend_runner = CudaGraphRunner(self.extend_step, config, self.engine.device)
-        self.extend_runner.capture_all()
-        if self.topk == 1:
-            self.loop_runner = CudaGraphRunner(self.loop_step, config, self.engine.device)
-            self.loop_runner.capture_all()
+        self.engine.executor.register(DRAFT_EXTEND, self.extend_step, config)
+        if self.topk == 1:  # the draft loop's graph is the greedy chain's (trees draft on the host)
+            self.engine.executor.register(DRAFT, self.loop_step, config)
+
+    @property
+    def loop_runner(self) -> CudaGraphRunner | None:
+        """The executor's draft-loop runner (None: the loop runs eagerly)."""
+        return self.engine.executor.runner(DRAFT)
+
+    @property
+    def extend_runner(self) -> CudaGraphRunner | None:
+        """The executor's draft_extend runner (None: it runs eagerly)."""
+        return self.engine.executor.runner(DRAFT_EXTEND)
 
     def chain_step(self, max_blocks: int):
         if self.topk != 1:
@@ -238,20 +247,16 @@ class EagleDrafter(Drafter):
 
         return EagleChainStep(self.engine.model, self.engine.kv, self.loop_step, self.extend_step, max_blocks)
 
-    @staticmethod
-    def _run(runner: CudaGraphRunner | None, step, batch):
-        return runner.run(batch) if runner is not None else step.eager(batch)
-
     def _propose_on_device(self, reqs: list[Request]) -> DeviceChains:
         """The greedy chain draft loop for the whole batch in one step (a graph replay when captured)."""
         states = [r.spec_state for r in reqs]
         base = [r.num_computed_tokens for r in reqs]
         roots = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in reqs]
         cols = blocks_covering(max(base) + self.num_steps, self.kv.block_size)
-        t = self.engine.upload([roots, base, padded_tables(reqs, cols)])
+        t = self.engine.executor.upload([roots, base, padded_tables(reqs, cols)])
         batch = DraftLoopBatch(t[0], torch.stack([s.first for s in states]), torch.stack([s.hidden for s in states]),
                                t[1], t[2].view(len(reqs), cols), base)
-        return DeviceChains(self._run(self.loop_runner, self.loop_step, batch))
+        return DeviceChains(self.engine.executor.run(DRAFT, batch))
 
     # ---- the draft loop ------------------------------------------------------------------
     def propose(self, reqs: list[Request]) -> list[DraftTree] | DeviceChains:

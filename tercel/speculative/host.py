@@ -3,7 +3,9 @@
 The engine builds the speculative worker and passes itself in; the worker passes itself to its chain
 loop. Neither is imported here (tercel.engine imports tercel.speculative, never the reverse), so the
 speculative code names the engine and the worker only through these interfaces. LLMEngine implements
-SpecEngine, SpecWorker implements ChainHost.
+SpecEngine, SpecWorker implements ChainHost. What runs the forwards is the engine's executor
+(tercel/executor.py, below the engine): the worker and the drafters register their step kinds with it
+and run them through it.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 
 if TYPE_CHECKING:
     from ..config import EngineConfig, ModelConfig
-    from ..forward_batch import ForwardBatch, ModelOutput
+    from ..executor import Executor
     from ..kv import PagedKVCache
     from ..models.interface import TargetModel
     from ..output_sink import OutputSink
@@ -33,8 +35,9 @@ class SpecEngine(Protocol):
     dtype: torch.dtype
     config: EngineConfig
     model_config: ModelConfig
-    model: TargetModel
-    kv: PagedKVCache
+    model: TargetModel  # the executor's
+    kv: PagedKVCache  # the executor's
+    executor: Executor  # runs every forward: one graph runner per step kind, the input upload
     scheduler: Scheduler
     sampler: Sampler
     overlap_schedule: bool
@@ -44,14 +47,6 @@ class SpecEngine(Protocol):
     @property
     def draft_target(self) -> TargetModel:
         """What a draft reads of the target: the target itself, or rank 0's whole copies under TP."""
-        ...
-
-    def upload(self, lists: list[list[int]]) -> list[torch.Tensor]: ...
-
-    def run_model(self, batch: ForwardBatch) -> ModelOutput: ...
-
-    def forward(self, batch: ForwardBatch) -> ModelOutput:
-        """The target forward without a CUDA graph (compiled on the CPU when on, else eager)."""
         ...
 
 

@@ -22,6 +22,7 @@ import torch
 
 from ..batching import step_batch
 from ..dev_overrides import env
+from ..executor import CHAIN, DECODE, verify_key
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from ..graphs.runner import CudaGraphRunner, GraphConfig
 from ..graphs.steps import ModelStep
@@ -58,14 +59,22 @@ class SpecWorker:
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens  # nodes per tree, root included
         self.stats = SpecStats()
-        self.verify_runner: CudaGraphRunner | None = None  # init_graphs: captured verify steps
         self.chain: "ChainLoop | None" = None  # init_graphs: greedy EAGLE chains as one chained graph step
-        self.verify_runners: dict[int, CudaGraphRunner] = {}  # by width (adaptive: the candidate widths)
         # adaptive speculation (adaptive.py): the width of each step from a cost model and the acceptance
         self.adaptive = AdaptiveSpec.for_batches(engine.config.max_num_seqs) if adaptive else None
         self.last_width = 0  # the width the last spec step verified (1 when nothing was drafted)
         self.used_chain = False  # the last spec step ran as a chained step
         self.profile = StepProfile(engine.device)  # per-phase times, when a benchmark turns it on
+
+    @property
+    def verify_runners(self) -> dict[int, CudaGraphRunner]:
+        """The executor's captured verify steps by width (adaptive: the candidate widths)."""
+        return self.engine.executor.widths("verify")
+
+    @property
+    def verify_runner(self) -> CudaGraphRunner | None:
+        """The captured verify step of num_draft_tokens per request (None: verify runs eagerly)."""
+        return self.engine.executor.runner(verify_key(self.num_draft_tokens))
 
     @property
     def extra_slots(self) -> int:
@@ -162,15 +171,15 @@ class SpecWorker:
         trees = [DraftTree.chain(0, [0] * (width - 1)) for _ in reqs]
         masks = width > 1 and self.drafter.uses_trees
         batch, _ = verify_batch(reqs, trees, None, width, eng.kv.block_size, self.drafter.capture_hidden_mode,
-                                masks, eng.upload, eng.device)
+                                masks, eng.executor.upload, eng.device)
         self._verify(batch)
 
     # ---- prefill chunks and undrafted decodes --------------------------------------------
     def _normal_path(self, scheduled: list[ScheduledRequest]) -> list[RequestOutput]:
         eng = self.engine
-        batch, sampled = step_batch(scheduled, eng.kv.block_size, eng.upload)
+        batch, sampled = step_batch(scheduled, eng.kv.block_size, eng.executor.upload)
         batch.capture_hidden_mode = self.drafter.capture_hidden_mode
-        out = eng.forward(batch)
+        out = eng.executor.forward(batch)
         chunks, offset = [], 0
         for s in scheduled:
             r = s.request
@@ -188,10 +197,12 @@ class SpecWorker:
     # ---- graphs ----------------------------------------------------------------------------
     def init_graphs(self, config: GraphConfig, max_blocks: int) -> None:
         """Capture target verify (num_draft_tokens per request, tree masks when the drafter branches, at
-        the drafter's capture-hidden mode) and the drafter's own steps, every bucket, now: after the
-        aux-layer set and the draft's shared embedding / lm_head are fixed, so the graphs bind them."""
+        the drafter's capture-hidden mode) and the drafter's own steps, every bucket, now, as step kinds of
+        the executor: after the aux-layer set and the draft's shared embedding / lm_head are fixed, so the
+        graphs bind them."""
         self._sync_target()
         eng = self.engine
+        ex = eng.executor
         # adaptive: every candidate width (plain steps of a drafter without hidden states use the decode graph)
         widths = self.widths() if self.adaptive is not None else (self.num_draft_tokens,)
         plain = self.drafter.capture_hidden_mode == CaptureHiddenMode.NULL
@@ -201,9 +212,7 @@ class SpecWorker:
                     continue
                 step = ModelStep(eng.model, eng.kv, max_blocks, w, custom_mask=w > 1 and self.drafter.uses_trees,
                                  name=f"verify-{w}")
-                self.verify_runners[w] = CudaGraphRunner(step, config, eng.device)
-                self.verify_runners[w].capture_all(self.drafter.capture_hidden_mode)
-            self.verify_runner = self.verify_runners[self.num_draft_tokens]
+                ex.register(verify_key(w), step, config, self.drafter.capture_hidden_mode)
             self.drafter.init_graphs(config, max_blocks)
             # TERCEL_SPEC_CHAIN=0: separate draft / verify / extend graphs only (side-by-side measurements)
             chain_step = (self.drafter.chain_step(max_blocks) if env("TERCEL_SPEC_CHAIN") != "0"
@@ -211,9 +220,7 @@ class SpecWorker:
             if chain_step is not None:
                 from .chain_loop import ChainLoop
 
-                runner = CudaGraphRunner(chain_step, config, eng.device)
-                runner.capture_all()
-                self.chain = ChainLoop(self, runner)
+                self.chain = ChainLoop(self, ex.register(CHAIN, chain_step, config))
 
     @property
     def inflight(self) -> bool:
@@ -224,12 +231,11 @@ class SpecWorker:
         return self.chain.advance()
 
     def _verify(self, batch: ForwardBatch) -> ModelOutput:
+        """A verify of this batch's width through the executor (a width with no graph: the eager target)."""
+        ex = self.engine.executor
         if batch.query_lens[0] == 1 and self.drafter.capture_hidden_mode == CaptureHiddenMode.NULL:
-            return self.engine.run_model(batch)  # nothing drafted anywhere: a plain decode step
-        runner = self.verify_runners.get(batch.query_lens[0])
-        if runner is not None:
-            return runner.run(batch)
-        return self.engine.forward(batch)
+            return ex.run(DECODE, batch)  # nothing drafted anywhere: a plain decode step
+        return ex.run(verify_key(batch.query_lens[0]), batch)
 
     # ---- the spec step -------------------------------------------------------------------
     def _spec_step(self, reqs: list[Request], width: int | None = None) -> list[RequestOutput]:
@@ -270,7 +276,7 @@ class SpecWorker:
                 alive.append(i)
             self.engine.sink.emit(outputs, r)
         if moves:  # (a source may sit in a block just freed: nothing allocates before this copy)
-            src, dst = self.engine.upload([[m[0] for m in moves], [m[1] for m in moves]])
+            src, dst = self.engine.executor.upload([[m[0] for m in moves], [m[1] for m in moves]])
             self.engine.kv.copy_slots(src, dst)
         prof.mark("extend")
         self._draft_extend([reqs[i] for i in alive], [trees[i] for i in alive], [accepted[i] for i in alive],
@@ -303,7 +309,7 @@ class SpecWorker:
         # tree masks when the drafter branches (or a proposal does: a chain-only verify graph then falls back)
         masks = p.width > 1 and (self.drafter.uses_trees or any(not t.is_chain for t in p.trees or ()))
         batch, layout = verify_batch(reqs, p.trees, p.device_tokens, p.width, eng.kv.block_size,
-                                     self.drafter.capture_hidden_mode, masks, eng.upload, eng.device)
+                                     self.drafter.capture_hidden_mode, masks, eng.executor.upload, eng.device)
         out = self._verify(batch)
         logits = out.logits
         if grammars is not None:
