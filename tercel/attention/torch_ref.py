@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..forward_batch import ForwardBatch
 from ..kv import PagedKVCache
 from .base import AttentionBackend
+from .sdpa import sdpa
 
 
 @dataclass(slots=True)
@@ -117,8 +117,7 @@ class TorchAttentionBackend(AttentionBackend):
             keys = _gather(k_cache, meta.slots).transpose(1, 2)  # [B, Hkv, S, D]
             values = _gather(v_cache, meta.slots).transpose(1, 2)
             qb = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-            out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=meta.mask, scale=self.scale,
-                                                 enable_gqa=True)  # [B, H, t, D]
+            out = sdpa(qb, keys, values, attn_mask=meta.mask, scale=self.scale, enable_gqa=True)  # [B, H, t, D]
             return out.transpose(1, 2).reshape(b * t, -1)
         if meta.single:
             slots = meta.slots[0]
@@ -126,7 +125,7 @@ class TorchAttentionBackend(AttentionBackend):
         if meta.decode:
             keys = _gather(k_cache, meta.slots).transpose(1, 2)  # [B, Hkv, S, D]
             values = _gather(v_cache, meta.slots).transpose(1, 2)
-            out = F.scaled_dot_product_attention(
+            out = sdpa(
                 q[:, :, None, :], keys, values, attn_mask=meta.mask, scale=self.scale, enable_gqa=True
             )  # [B, H, 1, D]
             return out.reshape(q.shape[0], -1)
@@ -135,7 +134,7 @@ class TorchAttentionBackend(AttentionBackend):
             qi = q[offset:offset + q_len].transpose(0, 1)[None]  # [1, H, q, D]
             keys = _gather(k_cache, slots).transpose(0, 1)[None]
             values = _gather(v_cache, slots).transpose(0, 1)[None]
-            oi = F.scaled_dot_product_attention(qi, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            oi = sdpa(qi, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[offset:offset + q_len] = oi[0].transpose(0, 1)
         return out.reshape(q.shape[0], -1)
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..attention.sdpa import sdpa
 from ..config import ConfigError, ModelConfig
 from ..kv import KVCacheSpec, PagedKVCache
 from .linear import Linear
@@ -106,8 +106,7 @@ class DFlashAttention(nn.Module):
         values = torch.cat([ctx_v, v.view(b, s, self.hkv, self.d)], dim=1).transpose(1, 2)
         block_mask = ctx_mask.new_ones(b, s) if block_mask is None else block_mask
         mask = torch.cat([ctx_mask, block_mask], dim=1)[:, None, None, :]  # non-causal block
-        out = F.scaled_dot_product_attention(q.view(b, s, self.h, self.d).transpose(1, 2), keys, values,
-                                             attn_mask=mask, enable_gqa=True)
+        out = sdpa(q.view(b, s, self.h, self.d).transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 

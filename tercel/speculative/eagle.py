@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
+from ..attention.sdpa import sdpa
 from ..batching import RowSpan, blocks_covering, build_batch, context_slots, padded_tables
 from ..executor import DRAFT, DRAFT_EXTEND
 from ..forward_batch import CaptureHiddenMode
@@ -93,7 +93,7 @@ class _PrefixAttention:
         values = torch.cat([pv, bv], dim=1).transpose(1, 2)
         mask = torch.cat([self.prefix_valid[:, None, :].expand(b, w, -1), self.mask], dim=2)[:, None]
         qb = q.view(b, w, q.shape[1], q.shape[2]).transpose(1, 2)  # [B, H, W, D]
-        out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        out = sdpa(qb, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return out.transpose(1, 2).reshape(b * w, -1)
 
 
