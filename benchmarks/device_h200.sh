@@ -20,11 +20,13 @@ case "$STEP" in
 tests)
   GPU_TESTS="tests/test_gpu_adaptive.py tests/test_gpu_spec_graphs.py tests/test_gpu_sampling.py tests/test_gpu_graphs.py
     tests/test_gpu_multistep.py tests/test_gpu_fused_decode.py tests/test_kernel_switch.py"
-  timeout ${TEST_S:-560} python3 -m pytest -q -p no:cacheprovider --timeout 300 ${TESTS:-$GPU_TESTS} 2>&1 \
-    | tee $OUT/gpu_tests_${TERCEL_COMMIT}.log | grep -v "^tests/.*SKIPPED" | tail -40 ;;
+  timeout ${TEST_S:-560} python3 -m pytest ${PYTEST_FLAGS:--q -rfE} -p no:cacheprovider --timeout 300 ${TESTS:-$GPU_TESTS} 2>&1 \
+    | tee $OUT/gpu_tests_${TERCEL_COMMIT}.log | grep -v "^tests/.*SKIPPED" | tail -${TAIL:-40} ;;
 bench)
   timeout ${BENCH_S:-570} python3 benchmarks/spec_rounds.py --model $M --rounds ${ROUNDS:-5} ${SHAPE:+--shape $SHAPE} ${SKIP:+--skip-smollm2} \
     ${CONFIGS:+--configs $CONFIGS} --concurrency ${CONC:-1,16,64} \
     --out $OUT/spec_rounds_${NAME:-smollm2}_h200_${TERCEL_COMMIT}.json 2>&1 | tee $OUT/spec_rounds_${NAME:-smollm2}.log \
     | tail -60 ;;
+probe)
+  timeout ${PROBE_S:-300} python3 .carry/diag/probe.py $M cuda ${PROBE_TOKENS:-256} ${PROBE_PARTS:-ab} 2>&1 | tee $OUT/probe.log | tail -${TAIL:-60} ;;
 esac

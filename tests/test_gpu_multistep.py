@@ -20,8 +20,10 @@ def engines():
     path = smollm2_gguf_or_skip()
     from tercel.engine import LLMEngine
 
+    # prefix caching off: every engine prefills each prompt whole, whatever it ran before (a cached prefix
+    # computes only the prompt's tail, which rounds differently in bf16 and may change a greedy token)
     kw = dict(dtype="bfloat16", device="cuda", max_model_len=1024, kv_cache_memory=2 << 30, max_num_seqs=64,
-              progress=False)
+              progress=False, enable_prefix_caching=False)
     single = LLMEngine(path, disable_overlap_schedule=True, **kw)
     variants = {"multistep": LLMEngine(loaded=single.loaded, num_scheduler_steps=8, disable_overlap_schedule=True,
                                        **kw),
