@@ -27,6 +27,4 @@ bench)
     ${CONFIGS:+--configs $CONFIGS} --concurrency ${CONC:-1,16,64} \
     --out $OUT/spec_rounds_${NAME:-smollm2}_h200_${TERCEL_COMMIT}.json 2>&1 | tee $OUT/spec_rounds_${NAME:-smollm2}.log \
     | tail -60 ;;
-probe)
-  timeout ${PROBE_S:-300} python3 .carry/diag/probe.py $M cuda ${PROBE_TOKENS:-256} ${PROBE_PARTS:-ab} 2>&1 | tee $OUT/probe.log | tail -${TAIL:-60} ;;
 esac
