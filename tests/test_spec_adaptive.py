@@ -71,6 +71,14 @@ def test_plain_steps_probe_with_exponential_back_off():
     assert probes == [3, 11, 27, 43] and all(picks[i] == 2 for i in probes)  # the cheapest speculative step
 
 
+def test_the_probe_takes_the_cheapest_speculative_width_by_cost():
+    # a chained full-width step (the EAGLE chain graph) can cost less than a narrower unchained one
+    costs = _costs({1: 0.010, 2: 0.032, 4: 0.031, 6: 0.018})
+    policy = WidthPolicy(probe_first=4, probe_max=16, probe_every=4)
+    picks = [policy.choose(costs, 1, [0.1], WIDTHS) for _ in range(4)]
+    assert picks == [1, 1, 1, 6]
+
+
 def test_acceptance_stats_follow_the_verifies():
     st = RequestAcceptStats()
     for _ in range(20):

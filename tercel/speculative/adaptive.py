@@ -8,7 +8,7 @@ decode step, no drafts) that maximises expected tokens per second.
   accept stats per request, a decayed count of accepted / offered draft positions: alpha, the chance
                that a draft is accepted given the one before it was (a geometric model)
   policy       argmax over the candidate widths of sum_r E[accepted + 1 | w, alpha_r] / cost(bucket, w);
-               while the answer stays 1 it still probes the narrowest speculative width now and then
+               while the answer stays 1 it still probes the cheapest speculative width now and then
                (exponential back-off), so acceptance that was low can recover
 
 Plain steps of drafters that read target hidden states (EAGLE, DFlash) keep those states on the request
@@ -174,10 +174,10 @@ class CostModel:
 
 @dataclass(slots=True)
 class WidthPolicy:
-    """The width that maximises expected tokens per second; probes the narrowest speculative width after a run
-    of plain steps (first after probe_first of them, then twice as long each time, up to probe_max): a probe
-    that finds acceptance low again costs least there, and one that finds it high lets the policy widen on
-    its merits."""
+    """The width that maximises expected tokens per second; probes the cheapest speculative width (by the cost
+    model) after a run of plain steps (first after probe_first of them, then twice as long each time, up to
+    probe_max): a probe that finds acceptance low again costs least there, and one that finds it high lets
+    the policy widen on its merits."""
     probe_first: int = 32
     probe_max: int = 512
     plain_run: int = 0
@@ -200,7 +200,9 @@ class WidthPolicy:
         if self.plain_run < self.probe_every:
             return 1
         self.plain_run, self.probe_every = 0, min(2 * self.probe_every, self.probe_max)
-        return min(w for w in widths if w > 1)  # the cheapest step that still measures acceptance
+        # the cheapest step that still measures acceptance, by its measured cost: a chained full-width EAGLE step
+        # costs less than a narrower unchained one
+        return min((w for w in widths if w > 1), key=lambda w: (costs.step_s(batch_size, w), w))
 
 
 @dataclass(slots=True)
