@@ -73,7 +73,8 @@ class DecodeWindow:
     block_tables: torch.Tensor  # [B, width]: covers the whole window
     logits_indices: torch.Tensor  # [B]
     seq_lens_cpu: list[list[int]]  # [num_steps][B], host copy
-    draw_keys: torch.Tensor | None = None  # [num_steps, B]: each step's stream key per request (sampled rows)
+    seeds: torch.Tensor | None = None  # [B]: each request's stream seed (sampled rows)
+    draws: torch.Tensor | None = None  # [num_steps, B]: the draw index of each step's token (sampled rows)
 
     def batch(self, step: int, input_ids: torch.Tensor) -> ForwardBatch:
         lens = self.seq_lens_cpu[step]
@@ -188,6 +189,7 @@ class LLMEngine:
         self._inflight: InflightWindow | None = None
         self._last_plain_window: float | None = None  # when the last spec-plain window was read back
         self._download_stream = None  # CUDA (set with the stager): the stream that brings window tokens to the host
+        self._window_st: tuple[tuple[str, ...], SamplingTensors] | None = None  # _window_settings' last upload
         # dtype="auto" on the CPU reads the checkpoint's header to pick its path; tensor-parallel ranks load
         # dense shards (a GGUF's 4-bit matrices are not kept), so they resolve it as for a dense checkpoint
         ckpt = checkpoint if loaded is None and config.parallel.tp_size == 1 else None
@@ -310,6 +312,10 @@ class LLMEngine:
         extra = self.spec.extra_slots if self.spec else 0
         max_blocks = -(-(self.config.max_model_len + extra) // self.kv.block_size) + 1
         runner = self.executor.register(DECODE, ModelStep(self.model, self.kv, max_blocks), graph_config)
+        if self.device.type == "cuda" and backend == "full":  # sampled rows of decode windows: captured too
+            from .graphs.sampler import SamplerGraphs
+
+            self.executor.sampler = SamplerGraphs(self.model_config.vocab_size, self.device)
         log.info("captured %d decode graphs (batch sizes %s) in %.1f s", len(runner.graphs), runner.buckets,
                  runner.stats.capture_seconds)
         if self.spec is not None:
@@ -601,23 +607,22 @@ class LLMEngine:
         lists = [positions, slots, seq_lens, rows.tables, list(range(len(reqs)))]
         sampled = any(not r.params.greedy for r in reqs)
         if sampled:  # draw r.draws + step of each stream, taken now (greedy rows draw too, unused)
-            lists += [[r.seed for r in reqs], [r.draws for r in reqs]]
+            lists += [[r.seed for r in reqs], [r.draws + step for step in range(num_steps) for r in reqs]]
             for r in reqs:
                 r.draws += num_steps
         if first_ids is None:
             lists.append([(r.output_token_ids or r.prompt_token_ids)[-1] for r in reqs])
         t = self.upload(lists)  # GPU: the whole window's inputs in one pinned upload
         b = len(reqs)
-        keys = None
+        seeds = draws = None
         if sampled:
-            seeds, draws = t[5], t[6]
+            seeds, draws = t[5], t[6].view(num_steps, b)
             t = t[:5] + t[7:]
-            steps = torch.arange(num_steps, device=seeds.device)[:, None]
-            keys = stream_keys(seeds[None, :], draws[None, :] + steps)
         return DecodeWindow(first_ids=t[5] if first_ids is None else first_ids,
                             positions=t[0].view(num_steps, b), out_cache_loc=t[1].view(num_steps, b),
                             seq_lens=t[2].view(num_steps, b), block_tables=t[3].view(b, width), logits_indices=t[4],
-                            seq_lens_cpu=[seq_lens[i * b:(i + 1) * b] for i in range(num_steps)], draw_keys=keys)
+                            seq_lens_cpu=[seq_lens[i * b:(i + 1) * b] for i in range(num_steps)], seeds=seeds,
+                            draws=draws)
 
     def _multi_step(self, scheduled: list[ScheduledRequest], num_steps: int) -> list[RequestOutput]:
         """A decode window: launched, then (overlap schedule) left in flight, or read back now."""
@@ -647,9 +652,8 @@ class LLMEngine:
         waits for the GPU; the tokens start on their way to the host behind an event."""
         window = self._build_window(reqs, num_steps, ahead, first_ids)
         st = mixed = None
-        if window.draw_keys is not None:  # per-row settings on the device once per window (greedy rows: T = 1)
-            st = SamplingTensors.of([r.params if not r.params.greedy else _GREEDY_STANDIN for r in reqs],
-                                    self.model_config.vocab_size, self.device)
+        if window.seeds is not None:  # per-row settings on the device once per batch (greedy rows: T = 1)
+            st = self._window_settings(reqs)
             if any(r.params.greedy for r in reqs):
                 mixed = torch.tensor([not r.params.greedy for r in reqs], pin_memory=self.device.type == "cuda")
                 mixed = mixed.to(self.device, non_blocking=True)
@@ -670,8 +674,10 @@ class LLMEngine:
             # on the device with no host sync (greedy argmax; sampled rows: the race with this step's keys)
             if st is None:
                 ids = greedy_tokens(out.logits)
+            elif self.executor.sampler is not None:
+                ids = self.executor.sampler.sample(out.logits, st, window.seeds, window.draws[step])
             else:
-                ids = sample_rows(out.logits, st, window.draw_keys[step])
+                ids = sample_rows(out.logits, st, stream_keys(window.seeds, window.draws[step]))
                 if mixed is not None:
                     ids = torch.where(mixed, ids, greedy_tokens(out.logits))
             step_tokens.append(ids)
@@ -689,6 +695,16 @@ class LLMEngine:
             tokens.record_stream(down)
             return InflightWindow(reqs, num_steps, tokens, host, ready, spec_plain, stacked)
         return InflightWindow(reqs, num_steps, tokens, tokens, None, spec_plain, stacked)
+
+    def _window_settings(self, reqs: list[Request]) -> SamplingTensors:
+        """The sampled rows' settings on the device, uploaded once while the same requests decode on (the
+        overlap schedule's windows of one step would otherwise upload them every token)."""
+        key = tuple(r.request_id for r in reqs)
+        if self._window_st is None or self._window_st[0] != key:
+            st = SamplingTensors.of([r.params if not r.params.greedy else _GREEDY_STANDIN for r in reqs],
+                                    self.model_config.vocab_size, self.device)
+            self._window_st = (key, st)
+        return self._window_st[1]
 
     def _collect_window(self, w: InflightWindow) -> list[RequestOutput]:
         """Wait for a window's tokens and append them with the usual stop checks. A request aborted while

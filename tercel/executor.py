@@ -21,6 +21,7 @@ from .graphs.runner import CudaGraphRunner, GraphConfig, StepKind
 
 if TYPE_CHECKING:
     from .graphs.compiled import CompiledSteps
+    from .graphs.sampler import SamplerGraphs
     from .kv import PagedKVCache
     from .models.interface import TargetModel
 
@@ -56,6 +57,7 @@ class Executor:
         self.compiled: CompiledSteps | None = None  # CPU (--cpu-compile): uniform steps run compiled code
         self.steps: dict[StepKey, StepKind] = {}  # kinds with their own eager forward (not the target's)
         self.runners: dict[StepKey, CudaGraphRunner] = {}
+        self.sampler: SamplerGraphs | None = None  # GPU: decode windows' sampled rows as graphs (graphs/sampler.py)
 
     def upload(self, lists: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Small integer lists to the device as int64 tensors: one pinned copy on a GPU."""

@@ -28,3 +28,31 @@ def test_noise_and_draws_equal_on_cpu_and_gpu():
     cpu_reqs, gpu_reqs = _reqs(p, seeds), _reqs(p, seeds)
     for _ in range(3):  # successive draws of the same streams
         assert sample_batch(logits, cpu_reqs).tolist() == sample_batch(logits.cuda(), gpu_reqs).cpu().tolist()
+
+
+@pytest.mark.parametrize("b", [1, 3, 64, 65])
+def test_captured_sampling_equals_eager_for_every_filter_set(b):
+    """The decode windows' sampler graphs (tercel.graphs.sampler) draw the eager path's tokens: every filter
+    set, padded buckets (3 -> 4), the largest bucket and one past it (eager), rows with mixed settings, and
+    successive draws replaying one graph with new inputs."""
+    from tercel.graphs.sampler import SamplerGraphs
+    from tercel.sampling import SamplingTensors, sample_rows, stream_keys
+
+    vocab = 49152
+    graphs = SamplerGraphs(vocab, torch.device("cuda"))
+    gen = torch.Generator().manual_seed(b)
+    settings = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=20),
+                dict(temperature=1.0, min_p=0.05), dict(temperature=0.8, top_k=50, top_p=0.95, min_p=0.02)]
+    for kw in settings:
+        params = [SamplingParams(**kw) if i % 2 == 0 else SamplingParams(temperature=0.9, top_p=0.8) for i in range(b)]
+        st = SamplingTensors.of(params, vocab, torch.device("cuda"))
+        seeds = torch.randint(0, 2**62, (b,), generator=gen).cuda()
+        for draw in range(3):
+            logits = (torch.randn(b, vocab, generator=gen) * 4).to(torch.bfloat16).cuda()
+            draws = torch.full((b,), draw, dtype=torch.long, device="cuda")
+            want = sample_rows(logits, st, stream_keys(seeds, draws))
+            assert graphs.sample(logits, st, seeds, draws).tolist() == want.tolist(), (kw, draw)
+    if b <= graphs.max_bs:
+        assert graphs.stats["eager"] == 0 and graphs.stats["replays"] == 3 * len(settings)
+    else:
+        assert graphs.stats["replays"] == 0
