@@ -13,12 +13,15 @@ sets the pace.
 from __future__ import annotations
 
 import collections
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from ..sampling import SamplingTensors, sample_rows, stream_keys
 from .runner import collector_paused
+
+log = logging.getLogger(__name__)
 
 SAMPLER_GRAPH_MAX_BS = 64
 
@@ -60,7 +63,13 @@ class SamplerGraphs:
         key = (self.bucket(b), logits.dtype, st.any_top_k, st.any_top_p, st.any_min_p)
         g = self.graphs.get(key)
         if g is None:
-            g = self.graphs[key] = self._capture(*key)
+            try:
+                g = self.graphs[key] = self._capture(*key)
+            except Exception as e:  # never fatal: this and later batches sample eagerly
+                log.warning("sampler graph capture failed (%s); sampled decode rows run eagerly", e)
+                self.max_bs = 0
+                self.stats["eager"] += 1
+                return sample_rows(logits, st, stream_keys(seeds, draws))
         g.logits[:b].copy_(logits)
         g.seeds[:b].copy_(seeds)
         g.draws[:b].copy_(draws)
