@@ -219,3 +219,27 @@ def test_adaptive_off_verifies_the_full_width_every_step(smol_llm, prompts, plai
     assert outs[0].outputs[0].token_ids == plain[2] and llm.engine.spec_stats().width_histogram == {}
     with pytest.raises(ConfigError, match="speculative_adaptive"):
         spec_llm(smol_llm, speculative_algorithm="NGRAM", speculative_adaptive="auto")
+
+
+class _FixedCosts(CostModel):
+    """Costs the test sets, not moved by the host's real step times."""
+
+    def observe(self, batch_size: int, width: int, wall_s: float) -> None:
+        pass
+
+
+def test_a_request_the_drafter_finds_nothing_for_turns_speculation_off(smol_llm):
+    """n-gram on a prompt of distinct tokens: the first steps the policy makes speculative draft nothing (no
+    earlier occurrence to copy), which counts as offered-and-rejected for the policy, so it goes plain (decode
+    windows) until its next probe instead of choosing the full width on its prior acceptance every step."""
+    prompt = list(range(1000, 1064))  # 64 distinct ids: no earlier occurrence of any suffix
+    llm = spec_llm(smol_llm, speculative_algorithm="NGRAM", num_scheduler_steps=4)
+    ada = llm.engine.spec.adaptive
+    widths = llm.engine.spec.widths()
+    # speculation pays from an acceptance of ~0.25 up (the prior is 0.6)
+    ada.costs = _FixedCosts((1,), {(1, w): 1.0 if w == 1 else 1.3 for w in widths})
+    out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    plain = smol_llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    stats = llm.engine.spec_stats()
+    assert stats.plain_window_steps >= 12, stats

@@ -271,7 +271,8 @@ class SpecWorker:
                 off = i * proposal.width
                 lps = [token_logprobs(out.logits[off + row], tok, r.params.logprobs)
                        for tok, row in zip(emit, [0] + acc.nodes)]
-            if self.emit_verified(r, len(t) - 1, len(acc.nodes), emit, lps, record=not plain):
+            if self.emit_verified(r, len(t) - 1, len(acc.nodes), emit, lps, record=not plain,
+                                  offered=(width or self.num_draft_tokens) - 1):
                 moves += self._keep_accepted(r, acc)
                 alive.append(i)
             self.engine.sink.emit(outputs, r)
@@ -352,17 +353,21 @@ class SpecWorker:
         return trees, accepted
 
     def emit_verified(self, r: Request, num_drafts: int, num_kept: int, tokens: list[int],
-                      logprobs: list[dict[int, float]] | None = None, record: bool = True) -> bool:
+                      logprobs: list[dict[int, float]] | None = None, record: bool = True, offered: int = 0) -> bool:
         """4. emit one request's verified tokens (its kept drafts, then the bonus) with the stop checks,
         counting the verify as if the tree stopped at max_tokens (drafts past it are verified but never
-        emitted). The unchained step and the chain loop both emit here. True when the request goes on."""
+        emitted). The unchained step and the chain loop both emit here. True when the request goes on.
+        offered: the draft positions the step's width gave each request (for the adaptive policy)."""
         if record:
             room = max(1, r.params.max_tokens - len(r.output_token_ids))
             drafted, kept = min(num_drafts + 1, room) - 1, min(num_kept, room - 1)
             r.metrics.record_verify(drafted, kept)
             self.stats.record(drafted, kept)
             if self.adaptive is not None:
-                self.adaptive.record(r, drafted, kept)
+                # a request the drafter found nothing for (n-gram: no match) gained nothing from the width the
+                # policy chose: for the policy, its positions were offered and none accepted (else its
+                # acceptance would stay at the prior and the policy would go on choosing that width)
+                self.adaptive.record(r, drafted if drafted > 0 else min(offered, room - 1), kept)
         return self.engine.sink.append_tokens(r, tokens, logprobs)
 
     def _keep_accepted(self, r: Request, acc: Accepted) -> list[tuple[int, int]]:
