@@ -32,11 +32,16 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, prefix_cache: PrefixCache | None = None) -> None:
+                 max_num_batched_tokens: int, prefix_cache: PrefixCache | None = None,
+                 max_step_tokens: int | None = None, min_prefill_tokens: int = 32) -> None:
         self.allocator = allocator
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # while requests decode, their tokens plus the prefill stay within max_step_tokens (None: no cap), the
+        # prefill never below min_prefill_tokens: each of their next tokens waits for the whole step
+        self.max_step_tokens = max_step_tokens
+        self.min_prefill_tokens = min_prefill_tokens
         self.prefix_cache = prefix_cache  # None: prefix caching off
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -76,14 +81,15 @@ class Scheduler:
         """extra_tokens_per_request: KV slots reserved beyond the computed tokens (speculative verify).
         Every running request that decodes goes first, outside the token budget: a prefill never holds
         back another request's next token. Then prefill chunks of running requests, then admissions,
-        under the budget (max_num_batched_tokens: prefill tokens per step)."""
-        budget = self.max_num_batched_tokens
+        under the budget (max_num_batched_tokens prefill tokens per step, less while requests decode: see
+        prefill_budget)."""
         scheduled: list[ScheduledRequest] = []
         done: set[int] = set()
         preempted: list[Request] = []
         pc = self.prefix_cache
         # stable: decodes (one token left to compute) first, each group in arrival order
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        budget = self.prefill_budget(sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1))
         for req in order:
             if req.status is not RequestStatus.RUNNING:  # preempted for an earlier one this step
                 continue
@@ -110,6 +116,12 @@ class Scheduler:
         if not preempted:
             self._admit(scheduled, budget, extra_tokens_per_request)
         return SchedulerOutput(scheduled, preempted)
+
+    def prefill_budget(self, num_decodes: int) -> int:
+        """Prefill tokens for a step that decodes num_decodes requests."""
+        if num_decodes == 0 or self.max_step_tokens is None:
+            return self.max_num_batched_tokens
+        return min(self.max_num_batched_tokens, max(self.min_prefill_tokens, self.max_step_tokens - num_decodes))
 
     def _admit(self, scheduled: list[ScheduledRequest], budget: int, extra: int) -> None:
         """Waiting requests in arrival order, each starting after its longest cached prefix."""
