@@ -226,6 +226,11 @@ class SchedulerConfig:
         None, "prefill tokens per step (chunked prefill); running requests' decode tokens go on top (default sized "
               "to the device: 256 on a CPU, 2048-8192 on a GPU by its memory)", parse=parse_int,
         check=positive_int(optional=True))
+    max_step_tokens: int | None = option(
+        None, "while requests decode, a step's decode tokens plus prefill stay within this many (the prefill gets at "
+              "least a quarter of it, so a new short prompt starts at once): each decoding request's next token waits "
+              "for the whole step (default sized to the device: 128 on a CPU, no cap on a GPU)", parse=parse_int,
+        check=positive_int(optional=True))
     num_scheduler_steps: int = option(1, "decode steps run back to back per host sync (default 1; e.g. 8 on a GPU)",
                                       parse=parse_int, check=_check_scheduler_steps)
     disable_overlap_schedule: bool | None = option(
@@ -331,6 +336,7 @@ class EngineConfig:
     enable_prefix_caching = property(lambda self: self.cache.enable_prefix_caching)
     max_num_seqs = property(lambda self: self.scheduler.max_num_seqs)
     max_num_batched_tokens = property(lambda self: self.scheduler.max_num_batched_tokens)
+    max_step_tokens = property(lambda self: self.scheduler.max_step_tokens)
     seed = property(lambda self: self.scheduler.seed)
 
 

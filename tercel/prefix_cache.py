@@ -79,6 +79,22 @@ class PrefixCache:
             blocks.append(block)
         return blocks
 
+    def next_key(self, req: Request, num_hits: int) -> bytes | None:
+        """The key of req's block after its num_hits cached ones, or None when that block may not come from
+        the cache (it holds the last token, or its lookahead is not there yet)."""
+        b, bs = num_hits, self.block_size
+        if b >= (req.num_tokens - 1) // bs or b * bs + bs + self.lookahead > req.num_tokens:
+            return None
+        return self._keys(req, b + 1)[b]
+
+    def prompt_keys_ahead(self, req: Request) -> list[bytes]:
+        """The keys of req's full prompt blocks it has not computed yet: a request with the same prefix
+        that waits until they are published computes none of them."""
+        bs = self.block_size
+        first = req.num_computed_tokens // bs
+        n = (len(req.prompt_token_ids) - self.lookahead) // bs
+        return self._keys(req, n)[first:n] if n > first else []
+
     def take(self, req: Request, blocks: list[int]) -> None:
         """Start req on the matched blocks: it holds them, and its computation starts after them."""
         for b in blocks:

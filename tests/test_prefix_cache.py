@@ -1,9 +1,10 @@
 """Automatic prefix caching (tercel.prefix_cache): greedy output is the same with caching on and off
 for a multi-turn conversation, plain and with NGRAM, EAGLE-3 and DFLASH (SmolLM2 with the bundled drafts,
 fp32), later turns take their history from the cache, an exactly block-aligned fully cached prompt still
-computes its last token, and a pool filled with distinct prefixes keeps serving (evicting) and leaks no
-block. Units: reference counts, LRU eviction of unreferenced cached blocks only, chained keys, the
-lookahead a draft's KV needs."""
+computes its last token, copies of a prompt (n > 1) take the first one's blocks with the same tokens, and a
+pool filled with distinct prefixes keeps serving (evicting) and leaks no block. Units: reference counts, LRU
+eviction of unreferenced cached blocks only, chained keys, the lookahead a draft's KV needs, copies waiting
+for the blocks another request is computing (and not for one that stopped)."""
 from __future__ import annotations
 
 import gc
@@ -99,6 +100,71 @@ def test_draft_kv_holds_back_publishing():
     assert r.num_published_blocks == 2
 
 
+def _scheduler(pc_on: bool = True, num_blocks: int = 64, **kw):
+    from tercel.scheduler import Scheduler
+
+    a = BlockAllocator(num_blocks)
+    return Scheduler(a, 4, kw.pop("max_num_seqs", 16), kw.pop("max_num_batched_tokens", 64),
+                     PrefixCache(a, block_size=4) if pc_on else None, **kw)
+
+
+def _step(sched) -> dict[str, int]:
+    """Schedule a step and pretend it ran: request id -> tokens computed."""
+    out = sched.schedule()
+    for s in out.scheduled:
+        done = s.completes_sequence
+        s.request.num_computed_tokens += s.num_tokens
+        if done:
+            s.request.output_token_ids.append(5)
+    return {s.request.request_id: s.num_tokens for s in out.scheduled}
+
+
+def _named(name: str, tokens: list[int]) -> Request:
+    r = _req(tokens)
+    r.request_id = name
+    return r
+
+
+def test_copies_of_a_prompt_wait_for_the_first_and_start_after_its_blocks():
+    """n copies of a prompt (and a prompt sharing its first blocks) queued together: the first computes the
+    shared blocks, the others wait one step and take them from the cache; an unrelated prompt behind them is
+    admitted meanwhile. The server's admission room counts the shared blocks as free."""
+    sched = _scheduler()
+    prompt = list(range(100, 111))  # 11 tokens: 2 full blocks + 3
+    reqs = [_named(f"c{i}", prompt) for i in range(3)] + [_named("shared", prompt[:8] + [7, 7, 7, 7, 7]),
+                                                          _named("other", list(range(200, 206)))]
+    for r in reqs:
+        sched.add(r)
+    room = sched.admission_room()
+    assert room.tokens == 64 - (11 + 3 + 3 + 5 + 6)  # each follower computes only what is past the 2 shared blocks
+    assert _step(sched) == {"c0": 11, "other": 6}
+    assert [r.request_id for r in sched.waiting] == ["c1", "c2", "shared"]
+    assert _step(sched) == {"c0": 1, "other": 1, "c1": 3, "c2": 3, "shared": 5}
+    assert [r.metrics.num_cached_tokens for r in reqs] == [0, 8, 8, 8, 0]
+    assert sched.prefix_cache.stats.hit_tokens == 24
+
+
+def test_a_copy_does_not_wait_for_a_request_that_stopped_computing_its_prompt():
+    """The wait is only for blocks a running request is still computing: once the first copy is gone
+    (aborted mid-prefill, or preempted), the next one is admitted and computes them itself."""
+    sched = _scheduler(max_num_batched_tokens=4)
+    first, second = _named("a", list(range(100, 111))), _named("b", list(range(100, 111)))
+    sched.add(first)
+    sched.add(second)
+    assert _step(sched) == {"a": 4}  # a chunk: its blocks 1 and 2 are still ahead, so b waits
+    assert _step(sched) == {"a": 4}
+    sched.finish(first)
+    assert _step(sched) == {"b": 3}  # the 2 blocks a computed came from the cache; b computes the rest
+    assert second.metrics.num_cached_tokens == 8
+
+
+def test_without_prefix_caching_copies_are_admitted_together():
+    sched = _scheduler(pc_on=False)
+    for i in range(3):
+        sched.add(_named(f"c{i}", list(range(100, 111))))
+    assert _step(sched) == {"c0": 11, "c1": 11, "c2": 11}
+
+
 def test_settings_and_flags():
     assert EngineConfig().cache.enable_prefix_caching is True
     import argparse
@@ -147,6 +213,23 @@ def test_multi_turn_greedy_output_is_the_same_with_caching_on_and_off(smol_llm, 
         assert on.engine.spec_stats().verify_steps > 0
     del on, off
     gc.collect()
+
+
+def test_copies_of_prompts_give_the_same_greedy_tokens_with_caching_on_and_off(smol_llm):
+    """n = 3 copies of 3 prompts in one generate call: with caching on, the copies wait for the first and
+    take its full blocks from the cache; the tokens are those of an engine without caching."""
+    tok = smol_llm.tokenizer
+    prompts = [tok.encode(f"Story {i}: the lighthouse keeper counted {i + 3} ships before the storm, and then")
+               for i in range(3)]
+    batch = [p for p in prompts for _ in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    on = spec_llm(smol_llm, max_model_len=256, num_kv_blocks=48)
+    off = spec_llm(smol_llm, max_model_len=256, num_kv_blocks=48, enable_prefix_caching=False)
+    outs_on, outs_off = on.generate(batch, params), off.generate(batch, params)
+    assert [o.outputs[0].token_ids for o in outs_on] == [o.outputs[0].token_ids for o in outs_off]
+    full = [(len(p) - 1) // 16 * 16 for p in prompts]
+    assert [o.num_cached_tokens for o in outs_on] == [n for f in full for n in (0, f, f)] and min(full) > 0
+    assert on.engine.stats().kv_blocks_used == 0
 
 
 def test_block_aligned_prompt_fully_cached_still_computes_its_last_token(smol_llm):

@@ -1,8 +1,8 @@
 """Issue #32: latency under a big neighbour, on this CPU with the default model, as a new user's load
 test would try it. A near-cap fan-out (51 prompts x n=5 = 255 completions) is admitted, and 21 small
-4-token requests sent beside it finish with a median of at most 3 s while the fan-out runs: the per-step
-prefill budget is sized to the device (256 tokens on a CPU) and running requests decode between prefill
-chunks. The fan-out itself is not slower than under the former 2048-token budget.
+4-token requests sent beside it finish with a median of at most 3 s while the fan-out runs: on a CPU a step
+carries at most 256 prefill tokens, and while requests decode their tokens plus the prefill stay within 128
+(max_step_tokens), so a small request's prefill and each of its decode steps wait a few tenths of a second.
 """
 from __future__ import annotations
 
@@ -67,13 +67,14 @@ def _scenario(srv) -> tuple[float, list[float], float]:
 
 
 def test_small_requests_beside_a_near_cap_fanout():
-    """Small requests sent beside an admitted near-cap fan-out finish while it runs (decode steps of running
-    requests go between its prefill chunks). Their median wait is printed, not asserted: a wall-clock goal on a
-    shared 2-core machine is a benchmark's job (the issue's 3 s goal is not met yet: 9.4 s measured under load)."""
+    """Small requests sent beside an admitted near-cap fan-out finish while it runs, with a median of at most
+    3 s (the issue's goal; the fan-out's own time is printed for comparison with a run of the former code)."""
     for srv in _with_server(*SERVER_ARGS):
         fan_s, small, small_done = _scenario(srv)
+    median = statistics.median(small)
+    print(f"small requests beside the fan-out: median {median:.2f} s, fan-out {fan_s:.1f} s")
     assert small_done < fan_s, (small_done, fan_s)  # they ran while the fan-out did
-    print(f"small requests beside the fan-out: median {statistics.median(small):.2f} s, fan-out {fan_s:.1f} s")
+    assert median <= 3.0, (median, sorted(small))
 
 
 @pytest.fixture(scope="module")

@@ -114,6 +114,27 @@ class _StubTokenizer:
         return self.encode("".join(m["content"] for m in messages))
 
 
+class _StubScheduler:
+    """The scheduler's lists and the admission room the engine loop asks for (one token per request)."""
+
+    def __init__(self, engine: "_StubEngine") -> None:
+        self.engine = engine
+        self.running: list[str] = []
+        self.waiting: list[str] = []
+
+    def admission_room(self):
+        cfg = self.engine.config
+        room = SimpleNamespace(slots=cfg.max_num_seqs - len(self.running) - len(self.waiting),
+                               tokens=cfg.max_num_batched_tokens)
+
+        def take(req) -> None:
+            room.slots -= 1
+            room.tokens -= 1
+
+        room.take = take
+        return room
+
+
 class _StubEngine:
     """Enough of LLMEngine for the server; step() raises when told to."""
 
@@ -125,7 +146,7 @@ class _StubEngine:
         self.config = SimpleNamespace(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=256)
         self.model_config = SimpleNamespace(vocab_size=100)
         self.requests: dict[str, object] = {}
-        self.scheduler = SimpleNamespace(running=[], waiting=[])
+        self.scheduler = _StubScheduler(self)
         self.explode_step = explode_step
         self.lock = threading.Lock()
 

@@ -2,10 +2,13 @@
 
 prepare() turns block tables into KV slot indices once per forward; forward() runs per layer.
 Decode batches (one query per request) go through one batched SDPA; extend/verify requests
-(several queries: prefill chunks, verify blocks, trees) run one SDPA each.
+(several queries: prefill chunks, verify blocks, trees) run one SDPA each. In a mixed batch (prefill chunks
+beside running requests) the decodes still go through one batched SDPA: one per request per layer made a
+100-request step several times slower on a CPU, most of it per-op overhead.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +27,9 @@ class TorchAttentionMetadata:
     mask: torch.Tensor | None = None
     # extend: per request (query offset, query len, kv slot indices [S], attention mask [q, S])
     per_request: list[tuple[int, int, torch.Tensor, torch.Tensor]] | None = None
+    # extend batches with decodes in them (a prefill beside running requests): the decode rows run as one
+    # batched decode (the rows, their slots and mask as above), only the others per request
+    decode_rows: slice | torch.Tensor | None = None
     # graph-safe (capture_metadata): every request has `uniform` queries; slots [B, S], mask [B, 1, q, S]
     uniform: int = 0
     # decode of one request that sees every key (the CPU latency case): decided once here, not per layer
@@ -51,24 +57,47 @@ class TorchAttentionBackend(AttentionBackend):
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
 
+    def _decode_slots(self, tables: torch.Tensor, seq_lens: torch.Tensor, s_max: int,
+                      block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, s_max] KV slots and the [B, s_max] mask of the keys each decode query sees (padding reads slot 0)."""
+        pos = torch.arange(s_max, device=tables.device)
+        slots = tables[:, pos // block_size] * block_size + pos % block_size
+        valid = pos[None, :] < seq_lens[:, None]
+        if self.sliding_window is not None:
+            valid &= pos[None, :] > (seq_lens[:, None] - 1 - self.sliding_window)
+        return slots, valid
+
     def prepare(self, batch: ForwardBatch, block_size: int) -> TorchAttentionMetadata:
         device = batch.input_ids.device
         if batch.is_decode:
-            s_max = max(batch.seq_lens_cpu)
-            pos = torch.arange(s_max, device=device)
-            slots = batch.block_tables[:, pos // block_size] * block_size + pos % block_size
-            valid = pos[None, :] < batch.seq_lens[:, None]
-            if self.sliding_window is not None:
-                valid &= pos[None, :] > (batch.seq_lens[:, None] - 1 - self.sliding_window)
+            slots, valid = self._decode_slots(batch.block_tables, batch.seq_lens, max(batch.seq_lens_cpu), block_size)
             # one request that sees all its keys (a sliding window may cut some off): checked once here
             if len(batch.seq_lens_cpu) == 1 and (self.sliding_window is None or bool(valid.all())):
                 return TorchAttentionMetadata(True, slots=slots, mask=valid[:, None, None, :], single=True)
             # padded keys read slot 0 but are masked out
             slots = torch.where(valid, slots, torch.zeros_like(slots))
             return TorchAttentionMetadata(True, slots=slots, mask=valid[:, None, None, :])
-        per_request = []
+        # decodes beside prefill chunks: one batched SDPA for them instead of one per request per layer (the
+        # scheduler puts them first, so their rows are usually a leading slice)
+        qlens, custom = batch.query_lens, batch.custom_masks
+        dec = [i for i, q in enumerate(qlens) if q == 1 and (custom is None or custom[i] is None)]
+        meta = TorchAttentionMetadata(False, per_request=[])
+        if len(dec) >= 2:
+            idx = torch.tensor(dec, device=device)
+            slots, valid = self._decode_slots(batch.block_tables[idx], batch.seq_lens[idx],
+                                              max(batch.seq_lens_cpu[i] for i in dec), block_size)
+            meta.slots = torch.where(valid, slots, torch.zeros_like(slots))
+            meta.mask = valid[:, None, None, :]
+            offsets = list(itertools.accumulate(qlens, initial=0))
+            rows = [offsets[i] for i in dec]
+            meta.decode_rows = slice(0, len(dec)) if rows[-1] == len(dec) - 1 else torch.tensor(rows, device=device)
+        skip = set(dec) if meta.decode_rows is not None else set()
+        per_request = meta.per_request
         offset = 0
         for i, (q_len, s_len) in enumerate(zip(batch.query_lens, batch.seq_lens_cpu)):
+            if i in skip:
+                offset += q_len
+                continue
             slots = _slot_indices(batch.block_tables[i], s_len, block_size)
             prefix = s_len - q_len
             kv_idx = torch.arange(s_len, device=device)
@@ -82,7 +111,7 @@ class TorchAttentionBackend(AttentionBackend):
                 mask &= kv_idx[None, :] > (q_idx[:, None] - self.sliding_window)
             per_request.append((offset, q_len, slots, mask))
             offset += q_len
-        return TorchAttentionMetadata(False, per_request=per_request)
+        return meta
 
     def capture_metadata(self, batch: ForwardBatch, block_size: int, tokens_per_request: int) -> TorchAttentionMetadata:
         """Graph-safe: keys span the whole block-table width and are masked from the device seq_lens,
@@ -123,19 +152,27 @@ class TorchAttentionBackend(AttentionBackend):
             slots = meta.slots[0]
             return self._single_decode(q, _gather(k_cache, slots), _gather(v_cache, slots))
         if meta.decode:
-            keys = _gather(k_cache, meta.slots).transpose(1, 2)  # [B, Hkv, S, D]
-            values = _gather(v_cache, meta.slots).transpose(1, 2)
-            out = sdpa(
-                q[:, :, None, :], keys, values, attn_mask=meta.mask, scale=self.scale, enable_gqa=True
-            )  # [B, H, 1, D]
-            return out.reshape(q.shape[0], -1)
+            return self._batched_decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
+        if meta.decode_rows is not None:
+            out[meta.decode_rows] = self._batched_decode(q[meta.decode_rows], k_cache, v_cache,
+                                                         meta).view(-1, *q.shape[1:])
         for offset, q_len, slots, mask in meta.per_request:
             qi = q[offset:offset + q_len].transpose(0, 1)[None]  # [1, H, q, D]
             keys = _gather(k_cache, slots).transpose(0, 1)[None]
             values = _gather(v_cache, slots).transpose(0, 1)[None]
             oi = sdpa(qi, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[offset:offset + q_len] = oi[0].transpose(0, 1)
+        return out.reshape(q.shape[0], -1)
+
+    def _batched_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: TorchAttentionMetadata) -> torch.Tensor:
+        """One query per request: q [B, H, D] against meta.slots [B, S] under meta.mask. Returns [B, H * D]."""
+        keys = _gather(k_cache, meta.slots).transpose(1, 2)  # [B, Hkv, S, D]
+        values = _gather(v_cache, meta.slots).transpose(1, 2)
+        out = sdpa(
+            q[:, :, None, :], keys, values, attn_mask=meta.mask, scale=self.scale, enable_gqa=True
+        )  # [B, H, 1, D]
         return out.reshape(q.shape[0], -1)
 
     def _uniform_matmul(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

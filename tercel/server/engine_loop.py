@@ -10,7 +10,8 @@ always finds the request, and an aborted request gets no output after the step t
 
 Fairness: an HTTP request's engine requests (prompts x n) wait in a queue of their own on the engine
 thread, and the loop hands them to the engine round-robin across HTTP requests, only as fast as the
-engine can start them (a free running slot, at most one step's prefill budget waiting). A small
+engine can start them (Scheduler.admission_room: a free running slot, at most one step's prefill budget
+waiting, cached and shared prompt blocks counted as free). A small
 request that arrives behind a large fan-out therefore starts at the next free slot instead of
 waiting behind the whole fan-out in the engine's FIFO queue.
 """
@@ -316,21 +317,13 @@ class AsyncEngine:
             self._turns.remove(group)
         self._change_pending(-len(gone))
 
-    def _engine_room(self) -> tuple[int, int]:
-        """(free running slots not already claimed by a waiting request, prefill tokens that may
-        still join the engine's waiting queue this step)."""
-        sched, cfg = self.engine.scheduler, self.engine.config
-        waiting_tokens = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-        return (cfg.max_num_seqs - len(sched.running) - len(sched.waiting),
-                cfg.max_num_batched_tokens - waiting_tokens)
-
     def _admit(self) -> None:
         """Add queued requests to the engine, one per HTTP request in turn, while it has room."""
         if not self._turns:
             return
-        slots, tokens = self._engine_room()
+        room = self.engine.scheduler.admission_room()
         prompt_tokens = 0
-        while self._turns and slots > 0 and tokens > 0:
+        while self._turns and room.slots > 0 and room.tokens > 0:
             group = self._turns.popleft()
             r = group.requests.popleft()
             del self._queued[r.request_id]
@@ -347,8 +340,7 @@ class AsyncEngine:
             group.added.append(r.request_id)
             self._timing[r.request_id] = [group.arrival, 0.0]
             prompt_tokens += len(r.prompt_token_ids)
-            slots -= 1
-            tokens -= len(r.prompt_token_ids)
+            room.take(self.engine.requests[r.request_id])
             if group.requests:
                 self._turns.append(group)
         if prompt_tokens and self.metrics is not None:
