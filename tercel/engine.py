@@ -693,7 +693,7 @@ class LLMEngine:
                     ids = torch.where(mixed, ids, greedy_tokens(out.logits))
             step_tokens.append(ids)
         tokens = torch.stack(step_tokens)
-        stacked = torch.stack(hidden) if hidden else None
+        stacked = None if not hidden else hidden[0][None] if len(hidden) == 1 else torch.stack(hidden)
         if tokens.is_cuda:  # a sync-free copy: .tolist() here would also wait for any window launched after
             # on its own stream, so the next window's kernels need not queue behind the copy's latency
             down = self._download_stream

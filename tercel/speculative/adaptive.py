@@ -267,16 +267,18 @@ class AdaptiveSpec:
         draft_extend; a full buffer is extended now."""
         self.defer_chunks(reqs, [hidden[row:row + 1] for row in rows], drafter)
 
-    def defer_chunks(self, reqs: Sequence[Request], chunks: Sequence[torch.Tensor], drafter: Drafter) -> None:
+    def defer_chunks(self, reqs: Sequence[Request], chunks: Sequence[torch.Tensor], drafter: Drafter,
+                     owned: bool = False) -> None:
         """Plain steps done (num_computed_tokens counts them): chunk i holds request i's hidden rows of its last
-        len(chunk) positions (cloned: graph outputs are overwritten by the next replay)."""
+        len(chunk) positions (cloned: graph outputs are overwritten by the next replay; owned: views of a
+        tensor nothing else writes, kept as they are, so a window of B requests launches no B copies)."""
         full = []
         for r, chunk in zip(reqs, chunks):
             st = stats_of(r)
             if not st.deferred:
                 st.deferred_start = r.num_computed_tokens - chunk.shape[0]
                 st.deferred_rows = 0
-            st.deferred.append(chunk.clone())
+            st.deferred.append(chunk if owned else chunk.clone())
             st.deferred_rows += chunk.shape[0]
             if st.deferred_rows >= self.defer_cap:
                 full.append(r)

@@ -158,7 +158,8 @@ class SpecWorker:
             return
         alive = [i for i, r in enumerate(reqs) if r.finish_reason is None]
         if alive:
-            ada.defer_chunks([reqs[i] for i in alive], [hidden[:, i] for i in alive], self.drafter)
+            # the window's stacked rows are its own tensor (engine._launch_window): no copy per request
+            ada.defer_chunks([reqs[i] for i in alive], [hidden[:, i] for i in alive], self.drafter, owned=True)
 
     def _dummy_forward(self, batch_size: int, width: int) -> None:
         """The forward a step of this width runs, on a dummy batch (every slot in the dummy block 0) whose
