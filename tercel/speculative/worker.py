@@ -158,7 +158,7 @@ class SpecWorker:
             return
         alive = [i for i, r in enumerate(reqs) if r.finish_reason is None]
         if alive:
-            # the window's stacked rows are its own tensor (engine._launch_window): no copy per request
+            # the window's stacked rows are its own tensor (the engine's decode window): no copy per request
             ada.defer_chunks([reqs[i] for i in alive], [hidden[:, i] for i in alive], self.drafter, owned=True)
 
     def _dummy_forward(self, batch_size: int, width: int) -> None:
