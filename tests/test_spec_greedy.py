@@ -59,7 +59,8 @@ def _check(llm, prompts, plain, n: int = 64):
     (dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_num_draft_tokens=16),
      slice(0, None, 4)),
     (dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_num_draft_tokens=8), slice(2, None, 4)),
-    (dict(speculative_algorithm="NGRAM"), slice(1, None, 4)),
+    # n-gram at a fixed width: on these rarely-matching texts the adaptive policy may run nearly every step plain
+    (dict(speculative_algorithm="NGRAM", speculative_adaptive="off"), slice(1, None, 4)),
 ], ids=["eagle3-chain", "eagle3-tree16", "eagle3-tree8", "ngram"])
 def test_greedy_batch8_equals_plain(smol_llm, prompts, plain, kw, pick):
     """All 20 prompts (x 64 tokens) for the chain; spread subsets for the trees, whose verify of 8-16
@@ -88,7 +89,7 @@ def test_greedy_batch1_equals_plain(smol_llm, prompts, plain, kw):
 
 
 # acceptance item 1 to the letter: every config at batch 8 and 1 on all 20 prompts (spec_utils.full_lossless)
-FULL_CONFIGS = [("ngram", None, dict(speculative_algorithm="NGRAM"))] + [
+FULL_CONFIGS = [("ngram", None, dict(speculative_algorithm="NGRAM", speculative_adaptive="off"))] + [
     (f"eagle3-{head}-{shape}", head, dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=topk,
                                           speculative_num_draft_tokens=n))
     for head in ("trained", "random") for shape, topk, n in (("chain", 1, None), ("tree8", 4, 8), ("tree16", 4, 16))]
