@@ -52,11 +52,11 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _spec_counts(llm) -> tuple[int, int, int]:
+def _spec_counts(llm) -> tuple[int, int, int, dict]:
     s = llm.engine.spec_stats()
     if s is None:
-        return 0, 0, 0
-    return s.verify_steps, s.accepted_tokens, getattr(s, "plain_window_steps", 0)
+        return 0, 0, 0, {}
+    return s.verify_steps, s.accepted_tokens, s.plain_window_steps, dict(s.width_histogram)
 
 
 def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
@@ -76,9 +76,11 @@ def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
     _sync()
     wall = time.perf_counter() - t0
     after = _spec_counts(llm)
-    steps, acc, plain_w = (a - b for a, b in zip(after, before))
+    steps, acc, plain_w = (a - b for a, b in zip(after[:3], before[:3]))
+    widths = {w: n - before[3].get(w, 0) for w, n in after[3].items() if n != before[3].get(w, 0)}
     return dict(tok_s=n / wall, tokens=n, wall_s=wall, verify_steps=steps,
-                accept_length=(acc + steps) / steps if steps else None, plain_window_steps=plain_w)
+                accept_length=(acc + steps) / steps if steps else None, plain_window_steps=plain_w,
+                steps_by_width=widths)
 
 
 def build(base, names: list[str], extra: dict, device: str) -> dict:
@@ -109,7 +111,7 @@ def rounds(llms: dict, convs_by_c: dict, rounds_n: int, tokens_by_c: dict, resul
                 point = run_point(llms[name], convs, c, tokens_by_c[c], temp)
                 results.setdefault(name, {}).setdefault(str(c), []).append(point)
                 print(f"round {r} c={c} {name}: {point['tok_s']:.0f} tok/s accept {point['accept_length']} "
-                      f"plain-window steps {point['plain_window_steps']}", flush=True)
+                      f"steps by width {point['steps_by_width']}", flush=True)
             write()
 
 
@@ -181,8 +183,9 @@ def main() -> None:
     res["prompts"] = f"{len(texts)} held-out prompts (EVAL_CHAT_PROMPTS[:4] + EVAL_CODE_PROMPTS[:4]), chat template"
     # graphs captured at the measured batch sizes only (each engine captures every step kind per bucket)
     llms = build(base, names, dict(kv_cache_memory=args.kv_bytes, cuda_graph_bs=sorted(set(cs))), args.device)
-    for name, llm in llms.items():  # warm-up: captures, cost-model measurements, allocator
-        run_point(llm, convs_by_c[cs[0]][:2], cs[0], 32, CONFIGS[name][1])
+    for name, llm in llms.items():  # warm-up at every concurrency: allocator, first shapes, and (adaptive) the
+        for c in cs:  # cost model's per-batch-size measurements, which a serving engine makes once in its life
+            run_point(llm, convs_by_c[c][:c], c, 32, CONFIGS[name][1])
     rounds(llms, convs_by_c, args.rounds, tokens_by_c, res["results"], write)
     write()
     print(json.dumps(res["summary"], indent=1), flush=True)
@@ -228,7 +231,7 @@ def shape_bench(args, res: dict, write) -> None:
             n = sum(len(llm.generate([p], params)[0].outputs[0].token_ids) for p in prompts)
             _sync()
             wall = time.perf_counter() - t0
-            steps, acc, plain_w = (a - b for a, b in zip(_spec_counts(llm), before))
+            steps, acc, plain_w = (a - b for a, b in zip(_spec_counts(llm)[:3], before[:3]))
             point = dict(tok_s=n / wall, tokens=n, wall_s=wall, verify_steps=steps, plain_window_steps=plain_w,
                          accept_length=(acc + steps) / steps if steps else None)
             res["shape_results"].setdefault(name, {}).setdefault("1", []).append(point)

@@ -41,6 +41,7 @@ from .config import ConfigError, EngineConfig, ModelLoadConfig
 from .cpu_threads import apply_threads
 from .executor import DECODE, Executor
 from .forward_batch import ForwardBatch, ModelOutput
+from .gpu_memory import release_if_last, track
 from .kv import KVCacheSpec, PagedKVCache, num_kv_blocks
 from .loader.model_loader import Checkpoint, DtypeChoice, LoadedModel, load_model, read_checkpoint, resolve_dtype
 from .loader.tokenizer import Tokenizer
@@ -246,6 +247,8 @@ class LLMEngine:
                 raise ConfigError("a tensor-parallel rank failed to load its shard (its error is printed above).")
         # the executor owns the model, the KV pool, the input upload and the graph runners (executor.py)
         self.executor = Executor(loaded.model, PagedKVCache(spec, num_blocks, self.device), self.device)
+        if self.device.type == "cuda":
+            track(self)  # the last CUDA engine to go gives torch's cuBLAS workspaces back (gpu_memory.py)
         usable_tokens = self.kv.allocator.num_usable * block_size
         if usable_tokens < self.config.max_model_len:
             raise ConfigError(
@@ -326,7 +329,8 @@ class LLMEngine:
         if self.device.type == "cuda" and backend == "full":  # sampled rows of decode windows: captured too
             from .graphs.sampler import SamplerGraphs
 
-            self.executor.sampler = SamplerGraphs(self.model_config.vocab_size, self.device)
+            self.executor.sampler = SamplerGraphs(self.model_config.vocab_size, self.device,
+                                                  stream=self.executor.capture_stream)
         log.info("captured %d decode graphs (batch sizes %s) in %.1f s", len(runner.graphs), runner.buckets,
                  runner.stats.capture_seconds)
         if self.spec is not None:
@@ -440,6 +444,7 @@ class LLMEngine:
 
             gc.collect()  # tensors held in reference cycles elsewhere (a caller's outputs do not hold any)
             torch.cuda.synchronize(device)
+            release_if_last(self)
             torch.cuda.empty_cache()
 
     def close(self) -> None:
@@ -546,6 +551,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self._check_open()
         with self._lock:
+            if self.spec is not None:
+                self.spec.step_began()
             if self._inflight is not None:
                 outputs = self._advance_inflight()
                 if outputs or self._inflight is not None:

@@ -58,6 +58,9 @@ class Executor:
         self.steps: dict[StepKey, StepKind] = {}  # kinds with their own eager forward (not the target's)
         self.runners: dict[StepKey, CudaGraphRunner] = {}
         self.sampler: SamplerGraphs | None = None  # GPU: decode windows' sampled rows as graphs (graphs/sampler.py)
+        # every runner warms up and captures on this one stream: torch keeps a cuBLAS workspace per stream that
+        # ran a GEMM, for the process's life (gpu_memory.py gives them back when the last engine goes)
+        self.capture_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def upload(self, lists: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Small integer lists to the device as int64 tensors: one pinned copy on a GPU."""
@@ -72,7 +75,7 @@ class Executor:
         self.steps[kind] = step
         if config is None:
             return None
-        runner = CudaGraphRunner(step, config, self.device)
+        runner = CudaGraphRunner(step, config, self.device, stream=self.capture_stream)
         with torch.inference_mode():
             runner.capture_all(mode)
         self.runners[kind] = runner

@@ -5,6 +5,7 @@ speculative steps mid-generation (EAGLE-3 / DFlash then defer and batch their dr
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 from spec_utils import spec_llm
@@ -13,6 +14,7 @@ from tercel import SamplingParams
 from tercel.config import ConfigError
 from tercel.speculative import DEFAULT_EAGLE3_DRAFT
 from tercel.speculative.adaptive import (
+    HOPELESS_AFTER,
     CostModel,
     RequestAcceptStats,
     WidthPolicy,
@@ -243,3 +245,46 @@ def test_a_request_the_drafter_finds_nothing_for_turns_speculation_off(smol_llm)
     assert out.outputs[0].token_ids == plain.outputs[0].token_ids
     stats = llm.engine.spec_stats()
     assert stats.plain_window_steps >= 12, stats
+
+
+def test_a_width_no_acceptance_could_repay_is_not_probed():
+    """Once real steps show a width costs more plain steps than it could yield even at ALPHA_CEILING (an eager
+    tree at a large batch), the probes that would re-measure acceptance are skipped: the batch stays plain.
+    Before that many real steps, the probe runs (a first slow step may be a one-off)."""
+    costs = _costs({1: 0.001, 6: 0.002})
+    policy = WidthPolicy(probe_first=2, probe_max=4, probe_every=2)
+    for _ in range(HOPELESS_AFTER - 1):
+        costs.observe(1, 6, 0.05)  # 50 plain steps' time for at most 6 tokens
+    assert [policy.choose(costs, 1, [0.0], (1, 6)) for _ in range(2)] == [1, 6]
+    costs.observe(1, 6, 0.05)
+    assert WidthPolicy.could_pay(costs, 1, 2) and not WidthPolicy.could_pay(costs, 1, 6)
+    picks = [policy.choose(costs, 1, [0.0], (1, 6)) for _ in range(16)]
+    assert picks == [1] * 16 and policy.probe_every == 4  # the back-off still grows: the stretches get longer
+
+
+class _RecordingCosts(CostModel):
+    def observe(self, batch_size: int, width: int, wall_s: float) -> None:
+        self.seen.append((width, wall_s))
+
+
+def test_unchained_steps_are_costed_by_their_whole_engine_cycle(smol_llm):
+    """A speculative step's cost is the time from its start to the next engine step's start, so what the
+    caller's loop and the engine do around each step counts for speculative steps as it does for plain
+    windows (whose pace is measured the same way): here a caller that spends 0.2 s between steps."""
+    llm = spec_llm(smol_llm, speculative_algorithm="NGRAM", max_num_seqs=1)
+    ada = llm.engine.spec.adaptive
+    widths = llm.engine.spec.widths()
+    ada.costs = _RecordingCosts((1,), {(1, w): 0.001 for w in widths})
+    ada.costs.seen = []
+    ada.policy = CyclePolicy([6])
+    step = llm.engine.step
+
+    def slow_caller() -> list:
+        out = step()
+        time.sleep(0.2)
+        return out
+
+    llm.engine.step = slow_caller
+    text = list(itertools.chain.from_iterable([[1000 + i for i in range(8)]] * 4))
+    llm.generate([text], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert ada.costs.seen and all(w == 6 and s >= 0.2 for w, s in ada.costs.seen), ada.costs.seen

@@ -154,7 +154,9 @@ def collector_paused():
 
 class CudaGraphRunner:
     def __init__(self, step: StepKind, config: GraphConfig, device: torch.device | str,
-                 graph_factory: Callable[[], Any] | None = None, pool: Any = None) -> None:
+                 graph_factory: Callable[[], Any] | None = None, pool: Any = None, stream: Any = None) -> None:
+        """stream: the CUDA stream to warm up and capture on (the executor's one capture stream: every stream
+        that runs a cuBLAS call keeps a workspace for the process's life; None: a stream of its own)."""
         self.step = step
         self.config = config
         self.device = torch.device(device)
@@ -165,7 +167,7 @@ class CudaGraphRunner:
         self._pool = pool
         self.graphs: dict[int, CapturedGraph] = {}  # bucket -> graph (one mode per bucket: the highest asked)
         self.stats = RunnerStats()
-        self._stream: Any = None
+        self._stream: Any = stream
         self._logged: set[str] = set()
 
     # ---- capture -------------------------------------------------------------------------

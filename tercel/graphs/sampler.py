@@ -41,11 +41,12 @@ class _SamplerGraph:
 
 
 class SamplerGraphs:
-    def __init__(self, vocab: int, device: torch.device, max_bs: int = SAMPLER_GRAPH_MAX_BS):
+    def __init__(self, vocab: int, device: torch.device, max_bs: int = SAMPLER_GRAPH_MAX_BS,
+                 stream: torch.cuda.Stream | None = None):
         self.vocab, self.device, self.max_bs = vocab, device, max_bs
         self.graphs: dict[tuple[int, torch.dtype, bool, bool, bool], _SamplerGraph] = {}
         self.pool = None
-        self.stream: torch.cuda.Stream | None = None
+        self.stream = stream  # the executor's capture stream (None: one of its own, made at the first capture)
         self.stats = collections.Counter()  # replays, eager, captures
 
     @staticmethod

@@ -9,7 +9,10 @@ decode step, no drafts) that maximises expected tokens per second.
                that a draft is accepted given the one before it was (a geometric model)
   policy       argmax over the candidate widths of sum_r E[accepted + 1 | w, alpha_r] / cost(bucket, w);
                while the answer stays 1 it still probes the cheapest speculative width now and then
-               (exponential back-off), so acceptance that was low can recover
+               (exponential back-off), so acceptance that was low can recover; never a width whose measured
+               cost no acceptance could repay
+  step costs   an unchained step's cost is its whole engine cycle, from its start to the next step's (the
+               scheduler, output processing and the caller's loop included), as a plain window's pace is
 
 Plain steps of drafters that read target hidden states (EAGLE, DFlash) keep those states on the request
 (`defer`) instead of running the draft over every token; one draft_extend over all of them (`flush`)
@@ -36,6 +39,8 @@ PRIOR_WEIGHT = 2.0  # worth two observed positions, so real verifies take over a
 DECAY = 0.8  # per verify: the stats follow the text as it changes (code, prose, a repeated list)
 DEFER_CAP = 128  # deferred hidden rows per request before a draft_extend runs anyway (bounds memory)
 OBSERVED_WINDOW = 9  # a width's step cost is the median of its last this many real steps (host noise)
+ALPHA_CEILING = 0.9  # a probe is skipped where even this acceptance would not pay for the width's measured cost
+HOPELESS_AFTER = 3  # ... once that cost rests on this many real steps
 
 
 def check_adaptive(value: object) -> bool:
@@ -138,6 +143,10 @@ class CostModel:
         old = table.get(key)
         table[key] = value if old is None else old + self.smoothing * (value - old)
 
+    def observations(self, batch_size: int, width: int) -> int:
+        """Real steps behind step_s(batch_size, width) (0: it is the forward-based estimate)."""
+        return len(self.recent_s.get((self.bucket(batch_size), width), ()))
+
     def observe(self, batch_size: int, width: int, wall_s: float) -> None:
         """A real step took wall_s: update that width's average and the overhead beyond its forward."""
         b = self.bucket(batch_size)
@@ -202,7 +211,17 @@ class WidthPolicy:
         self.plain_run, self.probe_every = 0, min(2 * self.probe_every, self.probe_max)
         # the cheapest step that still measures acceptance, by its measured cost: a chained full-width EAGLE step
         # costs less than a narrower unchained one
-        return min((w for w in widths if w > 1), key=lambda w: (costs.step_s(batch_size, w), w))
+        w = min((w for w in widths if w > 1), key=lambda w: (costs.step_s(batch_size, w), w))
+        return w if self.could_pay(costs, batch_size, w) else 1
+
+    @staticmethod
+    def could_pay(costs: CostModel, batch_size: int, width: int) -> bool:
+        """Could any acceptance make this width pay here? No when, measured over real steps, one of its steps
+        costs more plain steps than it would yield at ALPHA_CEILING (a tree run eagerly at a large batch,
+        say): probing it again would only lose time."""
+        if costs.observations(batch_size, width) < HOPELESS_AFTER:
+            return True
+        return expected_tokens(ALPHA_CEILING, width) * costs.step_s(batch_size, 1) > costs.step_s(batch_size, width)
 
 
 @dataclass(slots=True)

@@ -65,6 +65,10 @@ class SpecWorker:
         self.last_width = 0  # the width the last spec step verified (1 when nothing was drafted)
         self.used_chain = False  # the last spec step ran as a chained step
         self.profile = StepProfile(engine.device)  # per-phase times, when a benchmark turns it on
+        # adaptive: an unchained step's cost is its whole engine cycle (scheduling, output processing and the
+        # caller's loop included, as a plain window's pace is), closed when the next engine step begins
+        self._step_began = 0.0
+        self._open_step: tuple[int, int, float] | None = None  # (batch size, width, cycle start)
 
     @property
     def verify_runners(self) -> dict[int, CudaGraphRunner]:
@@ -88,6 +92,15 @@ class SpecWorker:
         if model.aux_layer_ids != self.drafter.aux_layer_ids:
             model.set_aux_layers(self.drafter.aux_layer_ids)
 
+    def step_began(self) -> None:
+        """The engine starts a step: the cycle of the unchained adaptive step before it, if any, ends here."""
+        now = time.perf_counter()
+        if self._open_step is not None:
+            batch_size, width, start = self._open_step
+            self.adaptive.costs.observe(batch_size, width, now - start)
+            self._open_step = None
+        self._step_began = now
+
     def step(self, scheduled: list[ScheduledRequest]) -> list[RequestOutput]:
         self._sync_target()
         decoding, rest = [], []
@@ -103,28 +116,30 @@ class SpecWorker:
                     ada.drop_deferred(r)
         outputs = self._normal_path(rest) if rest else []
         if decoding:
-            outputs += self._adaptive_step(decoding) if ada is not None else self._spec_step(decoding)
+            outputs += (self._adaptive_step(decoding, timed=not rest) if ada is not None
+                        else self._spec_step(decoding))
         return outputs
 
     # ---- adaptive speculation: this step's width, a deferred draft_extend, the step's cost -----
     def widths(self) -> tuple[int, ...]:
         return candidate_widths(self.num_draft_tokens, self.drafter.uses_trees)
 
-    def _adaptive_step(self, reqs: list[Request]) -> list[RequestOutput]:
+    def _adaptive_step(self, reqs: list[Request], timed: bool = True) -> list[RequestOutput]:
+        """timed: a pure decode step (no prefill beside it), whose cycle measures what this width costs."""
         ada = self.adaptive
         sync = torch.cuda.synchronize if self.engine.device.type == "cuda" else (lambda: None)
+        measured = ada.costs.knows(len(reqs), self.widths())  # else this step measures forwards (not timed)
         width = ada.choose(reqs, self.widths(), self._dummy_forward, sync)
-        start = time.perf_counter()
         if width > 1:  # the draft state catches up over the plain steps' tokens first
             ada.flush(reqs, self.drafter)
         outputs = self._spec_step(reqs, width)
         if self.used_chain:  # the chain counts its steps and, while it runs on, times them (chain_loop.py)
-            if not self.inflight:
-                ada.costs.observe(len(reqs), self.num_draft_tokens, time.perf_counter() - start)
-            return outputs
-        width = self.last_width  # n-gram: 1 when no request found a match
-        ada.costs.observe(len(reqs), width, time.perf_counter() - start)
-        self.stats.width_histogram[width] = self.stats.width_histogram.get(width, 0) + 1
+            width = self.num_draft_tokens
+            timed = timed and not self.inflight
+        else:  # n-gram: last_width is 1 when no request found a match; the cost is the chosen width's
+            self.stats.width_histogram[self.last_width] = self.stats.width_histogram.get(self.last_width, 0) + 1
+        if timed and measured and any(r.finish_reason is None for r in reqs):
+            self._open_step = (len(reqs), width, self._step_began)
         return outputs
 
     # ---- plain stretches at plain speed: the engine runs them as decode windows ------------------
