@@ -139,7 +139,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--batch-tokens", type=int, default=128, help="tokens per request at concurrency > 1")
+    ap.add_argument("--batch-tokens", type=int, default=256, help="tokens per request at concurrency > 1")
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--shape", default=None, help="llama8b: also the 8B shape, random weights + random head")

@@ -22,7 +22,8 @@ def release_if_last(engine: object | None = None) -> bool:
     workspaces (re-made on the next GEMM). True when they went."""
     if engine is not None:
         _LIVE.discard(engine)
-    if len(_LIVE) or not torch.cuda.is_available():
+    # iterate, not len(): from a finalizer the dying engine's entry may not be removed yet (its referent is gone)
+    if any(e is not engine for e in _LIVE) or not torch.cuda.is_available():
         return False
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is None:

@@ -41,6 +41,7 @@ DEFER_CAP = 128  # deferred hidden rows per request before a draft_extend runs a
 OBSERVED_WINDOW = 9  # a width's step cost is the median of its last this many real steps (host noise)
 ALPHA_CEILING = 0.9  # a probe is skipped where even this acceptance would not pay for the width's measured cost
 HOPELESS_AFTER = 3  # ... once that cost rests on this many real steps
+SWITCH_GAIN = 1.05  # from plain, speculation must promise this much more (a switch costs a draft_extend)
 
 
 def check_adaptive(value: object) -> bool:
@@ -191,9 +192,15 @@ class WidthPolicy:
     probe_max: int = 512
     plain_run: int = 0
     probe_every: int = 32
+    speculating: bool = False  # the last choice on the merits was a speculative width
 
     def best(self, costs: CostModel, batch_size: int, alphas: Sequence[float], widths: Sequence[int]) -> int:
-        rates = [(sum(expected_tokens(a, w) for a in alphas) / costs.step_s(batch_size, w), -w) for w in widths]
+        """The width of the most expected tokens per second; from plain, a speculative width must beat plain by
+        SWITCH_GAIN (near a tie, switching back and forth costs more than either choice)."""
+        rates = []
+        for w in widths:
+            rate = sum(expected_tokens(a, w) for a in alphas) / costs.step_s(batch_size, w)
+            rates.append((rate if w == 1 or self.speculating else rate / SWITCH_GAIN, -w))
         return -max(rates)[1]  # ties go to the narrower width
 
     def plain_budget(self) -> int:
@@ -202,6 +209,7 @@ class WidthPolicy:
 
     def choose(self, costs: CostModel, batch_size: int, alphas: Sequence[float], widths: Sequence[int]) -> int:
         w = self.best(costs, batch_size, alphas, widths)
+        self.speculating = w > 1
         if w > 1 or len(widths) == 1:
             self.plain_run, self.probe_every = 0, self.probe_first
             return w
@@ -225,6 +233,16 @@ class WidthPolicy:
 
 
 @dataclass(slots=True)
+class _Segment:
+    """Plain windows' hidden rows over one unchanged batch, as the windows made them ([n, B, H] each)."""
+    reqs: list[Request]
+    key: tuple[int, ...]  # the requests' ids, in order
+    cols: dict[int, int]  # id(request) -> its column (a dropped request leaves)
+    parts: list[torch.Tensor] = field(default_factory=list)
+    rows: int = 0
+
+
+@dataclass(slots=True)
 class AdaptiveSpec:
     """The worker's adaptive state: cost model, policy and the chosen-width counts."""
     costs: CostModel
@@ -232,6 +250,7 @@ class AdaptiveSpec:
     defer_cap: int = DEFER_CAP
     # every request's verifies, decayed slowly: a new request's prior (the same text source, likely)
     recent: RequestAcceptStats = field(default_factory=RequestAcceptStats)
+    segment: _Segment | None = None  # the plain windows' rows not split per request yet (defer_window)
 
     @classmethod
     def for_batches(cls, max_num_seqs: int) -> "AdaptiveSpec":
@@ -269,17 +288,59 @@ class AdaptiveSpec:
         self.recent.record(drafts, accepted, decay=0.95)
 
     # ---- deferred draft_extend ---------------------------------------------------------------
-    @staticmethod
-    def has_deferred(r: Request) -> bool:
+    def _in_segment(self, r: Request) -> bool:
+        seg = self.segment
+        if seg is None:
+            return False
+        col = seg.cols.get(id(r))
+        return col is not None and seg.reqs[col] is r
+
+    def has_deferred(self, r: Request) -> bool:
         """Does r's deferred buffer bring its draft state up to num_computed_tokens?"""
         st = r.spec_adaptive
-        return isinstance(st, RequestAcceptStats) and bool(st.deferred) and st.deferred_end() == r.num_computed_tokens
+        if not isinstance(st, RequestAcceptStats):
+            return False
+        rows = st.deferred_rows + (self.segment.rows if self._in_segment(r) else 0)
+        return rows > 0 and st.deferred_start + rows == r.num_computed_tokens
 
-    @staticmethod
-    def drop_deferred(r: Request) -> None:
+    def drop_deferred(self, r: Request) -> None:
+        if self._in_segment(r):
+            del self.segment.cols[id(r)]
         if isinstance(r.spec_adaptive, RequestAcceptStats):
             r.spec_adaptive.deferred.clear()
             r.spec_adaptive.deferred_rows = 0
+
+    def defer_window(self, reqs: Sequence[Request], hidden: torch.Tensor, drafter: Drafter) -> None:
+        """A plain decode window's tokens are counted: hidden [n, B, H] (its own tensor), request i's rows in
+        column i. While the batch stays the same the windows' tensors are only kept (no work per request: at a
+        large batch that work would slow the plain steps down); they are split per request when it changes."""
+        key = tuple(map(id, reqs))
+        seg = self.segment
+        if seg is None or seg.key != key:
+            self.split_segment()
+            n = hidden.shape[0]
+            for r in reqs:
+                st = stats_of(r)
+                if not st.deferred:
+                    st.deferred_start, st.deferred_rows = r.num_computed_tokens - n, 0
+            seg = self.segment = _Segment(list(reqs), key, {id(r): i for i, r in enumerate(reqs)})
+        seg.parts.append(hidden)
+        seg.rows += hidden.shape[0]
+        if seg.rows >= self.defer_cap:
+            self.flush([r for r in seg.reqs if r.finish_reason is None], drafter)
+
+    def split_segment(self) -> None:
+        """Move the kept windows' rows onto their requests' deferred buffers (views of one tensor)."""
+        seg, self.segment = self.segment, None
+        if seg is None or not seg.parts:
+            return
+        block = seg.parts[0] if len(seg.parts) == 1 else torch.cat(seg.parts)  # [rows, B, H]
+        for i in seg.cols.values():
+            r = seg.reqs[i]
+            if r.finish_reason is None:
+                st = stats_of(r)
+                st.deferred.append(block[:, i])
+                st.deferred_rows += seg.rows
 
     def defer(self, reqs: Sequence[Request], rows: Sequence[int], hidden: torch.Tensor, drafter: Drafter) -> None:
         """Plain step done (num_computed_tokens counts it): keep each request's hidden row for a later
@@ -291,6 +352,7 @@ class AdaptiveSpec:
         """Plain steps done (num_computed_tokens counts them): chunk i holds request i's hidden rows of its last
         len(chunk) positions (cloned: graph outputs are overwritten by the next replay; owned: views of a
         tensor nothing else writes, kept as they are, so a window of B requests launches no B copies)."""
+        self.split_segment()  # rows in position order
         full = []
         for r, chunk in zip(reqs, chunks):
             st = stats_of(r)
@@ -306,6 +368,7 @@ class AdaptiveSpec:
 
     def flush(self, reqs: Sequence[Request], drafter: Drafter) -> None:
         """One draft_extend (the drafter's after_extend) over every deferred row of these requests."""
+        self.split_segment()
         pending = [r for r in reqs if self.has_deferred(r)]
         if not pending:
             return

@@ -43,6 +43,8 @@ from .verify import Accepted, accept_greedy_batched, accept_walk, context_free, 
 if TYPE_CHECKING:
     from .chain_loop import ChainLoop
 
+PLAIN_GRANT_REUSE = 8  # plain windows that reuse the policy's answer for an unchanged batch before it is asked again
+
 
 @dataclass(slots=True)
 class Proposal:
@@ -69,6 +71,7 @@ class SpecWorker:
         # caller's loop included, as a plain window's pace is), closed when the next engine step begins
         self._step_began = 0.0
         self._open_step: tuple[int, int, float] | None = None  # (batch size, width, cycle start)
+        self._plain_grant: tuple[tuple[int, ...], int] | None = None  # plain_window's answer: (batch ids, reuses left)
 
     @property
     def verify_runners(self) -> dict[int, CudaGraphRunner]:
@@ -127,6 +130,7 @@ class SpecWorker:
     def _adaptive_step(self, reqs: list[Request], timed: bool = True) -> list[RequestOutput]:
         """timed: a pure decode step (no prefill beside it), whose cycle measures what this width costs."""
         ada = self.adaptive
+        self._plain_grant = None  # this step changes the acceptance the policy weighs
         sync = torch.cuda.synchronize if self.engine.device.type == "cuda" else (lambda: None)
         measured = ada.costs.knows(len(reqs), self.widths())  # else this step measures forwards (not timed)
         width = ada.choose(reqs, self.widths(), self._dummy_forward, sync)
@@ -149,10 +153,20 @@ class SpecWorker:
         ada = self.adaptive
         if ada is None or not running or self.inflight:
             return 0
+        # the same batch as the last windows, which ran plain (so its draft states stay deferred): the policy's
+        # answer is reused for a few windows instead of weighing every request per token
+        key = tuple(map(id, running))
+        if self._plain_grant is not None and self._plain_grant[0] == key and self._plain_grant[1] > 0:
+            self._plain_grant = (key, self._plain_grant[1] - 1)
+            return ada.policy.plain_budget()
+        self._plain_grant = None
         for r in running:
             if r.num_computed_tokens != r.num_tokens - 1 or not (self.drafter.ready(r) or ada.has_deferred(r)):
                 return 0
-        return ada.plain_steps(running, self.widths())
+        budget = ada.plain_steps(running, self.widths())
+        if budget > 0:
+            self._plain_grant = (key, PLAIN_GRANT_REUSE)
+        return budget
 
     def plain_forward(self, batch: ForwardBatch) -> ModelOutput:
         """One plain decode forward of a window, returning the hidden states the drafter reads (FULL / LAST):
@@ -169,12 +183,8 @@ class SpecWorker:
         ada.ran_plain(0, len(reqs), wall_s_per_step)
         self.stats.width_histogram[1] = self.stats.width_histogram.get(1, 0) + num_steps
         self.stats.plain_window_steps += num_steps
-        if hidden is None:
-            return
-        alive = [i for i, r in enumerate(reqs) if r.finish_reason is None]
-        if alive:
-            # the window's stacked rows are its own tensor (the engine's decode window): no copy per request
-            ada.defer_chunks([reqs[i] for i in alive], [hidden[:, i] for i in alive], self.drafter, owned=True)
+        if hidden is not None:  # the window's stacked rows are its own tensor (the engine's decode window)
+            ada.defer_window(reqs, hidden, self.drafter)
 
     def _dummy_forward(self, batch_size: int, width: int) -> None:
         """The forward a step of this width runs, on a dummy batch (every slot in the dummy block 0) whose
