@@ -101,17 +101,37 @@ def build(base, names: list[str], extra: dict, device: str) -> dict:
     return out
 
 
+def reference(name: str, names: list[str]) -> str | None:
+    """The plain configuration a configuration is paired with (same temperature), if loaded."""
+    ref = "plain-t1" if CONFIGS[name][1] else "plain"
+    return ref if ref in names and ref != name else None
+
+
 def rounds(llms: dict, convs_by_c: dict, rounds_n: int, tokens_by_c: dict, results: dict, write) -> None:
+    """Each round, at each concurrency, every configuration runs right after a run of its plain reference (the
+    host's speed drifts within seconds: the pair is measured in the same few seconds); a plain configuration
+    that is some configuration's reference is measured by those runs."""
     names = list(llms)
+    refs = {reference(n, names) for n in names} - {None}
     for r in range(rounds_n):
         order = names[r % len(names):] + names[:r % len(names)]  # rotate: no config always runs first
         for c, convs in convs_by_c.items():
             for name in order:
+                if name in refs:
+                    continue
                 _, temp = CONFIGS[name]
+                ref = reference(name, names)
+                paired = None
+                if ref is not None:
+                    base = run_point(llms[ref], convs, c, tokens_by_c[c], CONFIGS[ref][1])
+                    results.setdefault(ref, {}).setdefault(str(c), []).append(base)
+                    paired = base["tok_s"]
                 point = run_point(llms[name], convs, c, tokens_by_c[c], temp)
+                point["paired_plain_tok_s"] = paired
                 results.setdefault(name, {}).setdefault(str(c), []).append(point)
-                print(f"round {r} c={c} {name}: {point['tok_s']:.0f} tok/s accept {point['accept_length']} "
-                      f"steps by width {point['steps_by_width']}", flush=True)
+                print(f"round {r} c={c} {name}: {point['tok_s']:.0f} tok/s"
+                      + (f" ({point['tok_s'] / paired:.3f}x {ref} just before)" if paired else "")
+                      + f" accept {point['accept_length']} steps by width {point['steps_by_width']}", flush=True)
             write()
 
 
@@ -127,8 +147,15 @@ def summarize(results: dict) -> dict:
             acc = [p["accept_length"] for p in points if p["accept_length"]]
             row["accept_length"] = round(statistics.median(acc), 3) if acc else None
             for key, base in (("vs_plain", ref), ("vs_plain_greedy", "plain")):
-                bp = results.get(base, {}).get(c, [])
-                ratios = [p["tok_s"] / q["tok_s"] for p, q in zip(points, bp)]
+                if base == ref and points and all(p.get("paired_plain_tok_s") for p in points):
+                    ratios = [p["tok_s"] / p["paired_plain_tok_s"] for p in points]  # its own plain run, just before
+                else:
+                    bp = results.get(base, {}).get(c, [])
+                    if len(bp) == len(points):  # one run per round each: per-round ratios
+                        ratios = [p["tok_s"] / q["tok_s"] for p, q in zip(points, bp)]
+                    else:  # the reference ran beside several configurations per round: the ratio of medians
+                        ratios = [statistics.median(p["tok_s"] for p in points)
+                                  / statistics.median(q["tok_s"] for q in bp)] if bp and points else []
                 row[key] = round(statistics.median(ratios), 3) if ratios else None
             table.setdefault(name, {})[c] = row
     return table
@@ -157,7 +184,8 @@ def main() -> None:
 
     res = dict(benchmark="spec_rounds", environment=environment(), command=" ".join(["python"] + sys.argv),
                method=f"all configurations loaded in one process; {args.rounds} interleaved rounds (the order rotates "
-                      "each round); a ratio is taken within a round and the median over rounds reported",
+                      "each round); in a round each configuration runs right after a run of its plain reference "
+                      "(plain, or plain-t1 at T = 1), its ratio is to that run, and the median over rounds is reported",
                copy_bandwidth_bytes_per_s=copy_bandwidth(args.device), results={}, shape_results={})
     out = Path(args.out)
 
