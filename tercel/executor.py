@@ -37,6 +37,7 @@ DECODE = StepKey("decode")  # the target, one token per request (plain decode, d
 DRAFT = StepKey("draft")  # EAGLE's greedy chain draft loop
 DRAFT_EXTEND = StepKey("draft_extend")  # EAGLE's draft over the accepted rows
 CHAIN = StepKey("chain")  # draft, verify, accept and draft_extend as one chained EAGLE step
+CHAIN_SAMPLED = StepKey("chain_sampled")  # the same for batches with sampled (T > 0) requests
 
 
 def verify_key(width: int) -> StepKey:

@@ -162,14 +162,16 @@ def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return greedy_tokens(probs.float() / noise)
 
 
-def race_keys(probs: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+def race_keys(probs: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = None,
+              id_vocab: int | None = None) -> torch.Tensor:
     """race(probs, draw_noise(keys)) for probs [N, V] and keys [N]: on a GPU one fused kernel makes the noise
-    (kernels/race.py). ids [N, V]: column j of a row is token ids[n, j] (its noise, and the id returned)."""
+    (kernels/race.py). ids [N, V]: column j of a row is token ids[n, j] (its noise, and the id returned);
+    id_vocab: the vocabulary those ids come from when it is larger than V (a draft's mapped vocabulary)."""
     if use_triton(probs):
         from .kernels.race import race_rows
 
         return race_rows(probs.contiguous(), keys.to(probs.device), ids)
-    noise = draw_noise(keys, probs.shape[-1], probs.device)
+    noise = draw_noise(keys, id_vocab or probs.shape[-1], probs.device)
     if ids is None:
         return race(probs, noise)
     return ids.gather(1, race(probs, noise.gather(1, ids))[:, None])[:, 0]
@@ -205,16 +207,20 @@ class SamplingTensors:
                    any(p.top_p < 1.0 for p in params), any(p.min_p > 0.0 for p in params))
 
 
-def sample_rows(logits: torch.Tensor, st: SamplingTensors, keys: torch.Tensor) -> torch.Tensor:
+def sample_rows(logits: torch.Tensor, st: SamplingTensors, keys: torch.Tensor, vocab_ids: torch.Tensor | None = None,
+                id_vocab: int | None = None) -> torch.Tensor:
     """A draw per row of logits [N, V] from its filtered distribution (filter_logits' rules, each row with its
     own settings), by the race with each row's stream key (keys [N]). Token ids [N] on the device, no sync.
-    Top-k / top-p work in the sorted domain, and the race runs there too (the candidates' ids map back)."""
+    Top-k / top-p work in the sorted domain, and the race runs there too (the candidates' ids map back).
+    vocab_ids [V]: column v is token vocab_ids[v] of a vocabulary of id_vocab tokens (a draft's mapped
+    vocabulary: it races against the noise the target's draw of the same output token uses)."""
     x = logits.float() / st.temperature[:, None]
     if not (st.any_top_k or st.any_top_p):
         probs = x.softmax(-1)
         if st.any_min_p:
             probs = probs.masked_fill(probs < st.min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
-        return race_keys(probs, keys)
+        ids = None if vocab_ids is None else vocab_ids.expand(x.shape[0], -1).contiguous()
+        return race_keys(probs, keys, ids, id_vocab)
     sx, order = torch.sort(x, dim=-1, descending=True)
     if st.any_top_k:
         kth = sx.gather(1, (st.top_k - 1)[:, None])
@@ -225,7 +231,7 @@ def sample_rows(logits: torch.Tensor, st: SamplingTensors, keys: torch.Tensor) -
         probs = sx.masked_fill(drop, float("-inf")).softmax(-1)
     if st.any_min_p:
         probs = probs.masked_fill(probs < st.min_p[:, None] * probs[:, :1], 0.0)
-    return race_keys(probs, keys, order)
+    return race_keys(probs, keys, order if vocab_ids is None else vocab_ids[order], id_vocab)
 
 
 def sample_batch(logits: torch.Tensor, reqs: list[Request], keys: torch.Tensor | None = None) -> torch.Tensor:

@@ -183,3 +183,32 @@ def test_seeded_sampling_gives_the_plain_tokens(tiny, shape, adaptive):
         assert stats.draft_tokens > 0
         if shape.startswith("eagle3"):
             assert stats.accepted_tokens > 0  # drafts were kept, not only bonus tokens
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("token_map", [False, True], ids=["full-vocab", "token-map"])
+def test_sampled_eagle_chains_run_as_one_chained_step_with_the_plain_tokens(tiny, token_map, overlap):
+    """Sampled (T > 0) EAGLE chains run as the chained graph step too (breakable-debug graphs on the CPU): each
+    draft, target token and next first draft drawn in the graph with the request's noise for that output
+    token, greedy rows by argmax, so a seeded batch mixing filters and greedy requests gets plain's tokens,
+    with the host one step behind under the overlap schedule."""
+    from spec_utils import spec_llm
+
+    hf, base, draft, hot = tiny
+    extra = dict(speculative_token_map=hot) if token_map else {}
+    llm = spec_llm(base, max_num_seqs=16, speculative_adaptive=False, cuda_graph_backend="breakable-debug",
+                   cuda_graph_max_bs=16, disable_overlap_schedule=not overlap, speculative_draft_model_path=draft,
+                   **SEEDED["eagle3-chain"], **extra)
+    chain = llm.engine.spec.chain
+    assert chain is not None and chain.sampled is not None
+    prompts = [PROMPT[: 2 + i % 4] for i in range(12)]
+    settings = [FILTERS["T1"], FILTERS["T0.7-top_p0.9"], FILTERS["top_k5"], dict(temperature=0.0),
+                dict(temperature=1.0, min_p=0.05)]
+    params = [SamplingParams(max_tokens=12 + i % 5, seed=100 + i, ignore_eos=True, **settings[i % 5])
+              for i in range(12)]
+    plain = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert spec == plain
+    assert chain.sampled.stats.replays > 0 and chain.sampled.stats.eager == 0 and chain.inflight is None
+    assert llm.engine.spec_stats().accepted_tokens > 0
+    assert llm.engine.stats().kv_blocks_used == 0

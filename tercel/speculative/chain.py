@@ -16,6 +16,7 @@ dummy block, and their base is reset every step so their positions never grow.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ from ..forward_batch import CaptureHiddenMode, ForwardBatch
 from ..graphs.buffers import BufferSpec, Pad, Per
 from ..graphs.runner import StepKind
 from ..kv import PagedKVCache
-from ..sampling import greedy_tokens
+from ..sampling import SamplingTensors, greedy_tokens, sample_rows, stream_keys
 from .eagle_steps import DraftExtendBatch, DraftLoopBatch, EagleDraftLoopStep, EagleExtendStep
 from .verify import accept_greedy_batched
 
@@ -38,11 +39,36 @@ class ChainBatch:
     base: torch.Tensor  # [B] the root's position
     block_tables: torch.Tensor  # [B, width] zero-padded; cover base + W (and, chained, the next step's W)
     live: torch.Tensor  # [B] 1 for a real request (padding rows: 0)
+    sampling: "ChainSampling | None" = None  # the sampled chain step's per-request settings (None: greedy)
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
 
     @property
     def num_requests(self) -> int:
         return self.roots.shape[0]
+
+
+@dataclass(slots=True)
+class ChainSampling:
+    """Per request: its sampling settings and its draw count (the next output token's draw index, advanced in
+    place by each step). A greedy request in a sampled batch has sampled = 0 (its rows take the argmax)."""
+    seeds: torch.Tensor  # [B] int64
+    draws: torch.Tensor  # [B] int64
+    sampled: torch.Tensor  # [B] int64 (1: T > 0)
+    temperature: torch.Tensor  # [B] float32 (1 for greedy rows: unused)
+    top_k: torch.Tensor  # [B] int64 (the target's vocabulary size when off)
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+
+    FIELDS = ("seeds", "draws", "sampled", "temperature", "top_k", "top_p", "min_p")
+
+    def settings(self, vocab: int, repeat: int = 1) -> SamplingTensors:
+        """Every filter on (off values filter nothing): one captured graph serves every mix of settings. vocab:
+        the logits' width (top-k is kept within it: a draft's vocabulary is smaller than the target's)."""
+        def rep(t: torch.Tensor) -> torch.Tensor:
+            return t if repeat == 1 else t.repeat_interleave(repeat)
+
+        return SamplingTensors(rep(self.temperature), rep(self.top_k.clamp(1, vocab)), rep(self.top_p),
+                               rep(self.min_p), True, True, True)
 
 
 @dataclass(slots=True)
@@ -60,9 +86,14 @@ class EagleChainStep(StepKind):
     tokens_per_request = 1  # every buffer is per request
 
     def __init__(self, target: torch.nn.Module, kv: PagedKVCache, loop: EagleDraftLoopStep, extend: EagleExtendStep,
-                 max_blocks: int) -> None:
+                 max_blocks: int, sampled: bool = False) -> None:
+        """sampled: the chain of sampled (T > 0) requests: every draft, target token and next first draft drawn
+        with the request's noise for that output token (the plain sampler's), greedy rows by argmax."""
         self.target, self.kv = target, kv
         self.loop, self.extend = loop, extend
+        self.sampled = sampled
+        if sampled:
+            self.name = "spec_chain_sampled"
         self.width = extend.tokens_per_request  # W = num_steps + 1
         self.max_blocks = max_blocks
         if loop.num_steps + 1 != self.width:
@@ -77,20 +108,29 @@ class EagleChainStep(StepKind):
             BufferSpec("base", Per.REQUEST, torch.long, Pad.ZERO),
             BufferSpec("block_tables", Per.REQUEST, torch.long, Pad.ZERO, shape=(self.max_blocks,)),
             BufferSpec("live", Per.REQUEST, torch.long, Pad.ZERO),
-        ]
+        ] + ([BufferSpec(f, Per.REQUEST, torch.float32 if f in ("temperature", "top_p", "min_p") else torch.long,
+                         Pad.ZERO) for f in ChainSampling.FIELDS] if self.sampled else [])
 
     def unsupported(self, batch: ChainBatch) -> str | None:
         if batch.block_tables.shape[1] > self.max_blocks:
             return f"block table of width {batch.block_tables.shape[1]} exceeds the captured {self.max_blocks}"
+        if self.sampled != (batch.sampling is not None):
+            return ("a sampled batch on the greedy chain step" if batch.sampling is not None
+                    else "a greedy batch on the sampled chain step")
         return None
 
     def live_inputs(self, batch: ChainBatch) -> dict[str, torch.Tensor]:
-        return {"roots": batch.roots, "first": batch.first, "hidden": batch.hidden, "base": batch.base,
-                "block_tables": batch.block_tables, "live": batch.live}
+        out = {"roots": batch.roots, "first": batch.first, "hidden": batch.hidden, "base": batch.base,
+               "block_tables": batch.block_tables, "live": batch.live}
+        if batch.sampling is not None:
+            out.update({f: getattr(batch.sampling, f) for f in ChainSampling.FIELDS})
+        return out
 
     def static_batch(self, views: dict[str, torch.Tensor], num_requests: int, mode: CaptureHiddenMode) -> ChainBatch:
+        # (padding rows have sampled = 0: their draws, made from zeroed settings, are never taken)
+        sampling = ChainSampling(*(views[f] for f in ChainSampling.FIELDS)) if self.sampled else None
         return ChainBatch(views["roots"], views["first"], views["hidden"], views["base"], views["block_tables"],
-                          views["live"])
+                          views["live"], sampling)
 
     def forward(self, static: ChainBatch) -> ChainOutputs:
         return self._step(static)
@@ -102,12 +142,28 @@ class EagleChainStep(StepKind):
         return ChainOutputs(*(t[:num_live] for t in (out.tokens, out.accepted, out.bonus, out.logits, out.first,
                                                      out.hidden)))
 
+    def _draft_pick(self, sp: ChainSampling, draw: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Target ids from draft logits [B, Vd]: sampled rows race the request's noise of draw `draw` [B] (the
+        target's own draw for that output token), greedy rows take the top-1."""
+        model = self.loop.model
+        ids = model.draft_to_target if model.maps_vocab else None
+        vocab = self.target.config.vocab_size
+
+        def pick(logits: torch.Tensor) -> torch.Tensor:
+            greedy = model.draft_to_target[greedy_tokens(logits)] if model.maps_vocab else greedy_tokens(logits)
+            drawn = sample_rows(logits, sp.settings(logits.shape[-1]), stream_keys(sp.seeds, draw), ids, vocab)
+            return torch.where(sp.sampled.bool(), drawn, greedy)
+
+        return pick
+
     def _step(self, s: ChainBatch) -> ChainOutputs:
         n, w, bs = s.roots.shape[0], self.width, self.kv.block_size
         dev = s.roots.device
-        # draft: the chain, root first [B, W]
+        sp = s.sampling
+        # draft: the chain, root first [B, W]; a sampled chain's position j + 1 draws with output draw draws + j
+        pick = None if sp is None else (lambda j, logits: self._draft_pick(sp, sp.draws + j)(logits))
         tokens = self.loop.body(DraftLoopBatch(s.roots, s.first, s.hidden, s.base, s.block_tables, [0] * n),
-                                 graph=True)
+                                 graph=True, pick=pick)
         # verify: W rows per request at base .. base + W - 1, every row's logits and aux hidden states
         j = torch.arange(w, device=dev)
         pos = s.base[:, None] + j
@@ -120,8 +176,12 @@ class EagleChainStep(StepKind):
         meta = self.target.attn_backend.capture_metadata(fb, bs, w)
         out = self.target(fb, self.kv, attn_meta=meta)
         # accept: the longest prefix of drafts the target agrees with, then its own next token
-        argmax = greedy_tokens(out.logits).view(n, w)
-        k, bonus = accept_greedy_batched(argmax, tokens, torch.full((n,), w, device=dev))
+        targets = greedy_tokens(out.logits).view(n, w)
+        if sp is not None:  # row j: the plain sampler's draw of output token draws + j
+            keys = stream_keys(sp.seeds[:, None], sp.draws[:, None] + j)
+            drawn = sample_rows(out.logits, sp.settings(out.logits.shape[-1], w), keys.reshape(-1)).view(n, w)
+            targets = torch.where(sp.sampled.bool()[:, None], drawn, targets)
+        k, bonus = accept_greedy_batched(targets, tokens, torch.full((n,), w, device=dev))
         # draft_extend over the root and the k accepted drafts: row j reads the token at base + j + 1
         kk = k[:, None]
         shifted = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
@@ -132,8 +192,12 @@ class EagleChainStep(StepKind):
                                   graph=True)
         # the next step's state, in place: padding rows keep base 0
         live = s.live.bool()
+        first = ext.first
+        if sp is not None:  # the next step's first draft draws with the next output token's noise
+            sp.draws.copy_(torch.where(live & sp.sampled.bool(), sp.draws + k + 1, sp.draws))
+            first = self._draft_pick(sp, sp.draws)(ext.logits)
         s.roots.copy_(torch.where(live, bonus, s.roots))
-        s.first.copy_(ext.first)
+        s.first.copy_(first)
         s.hidden.copy_(ext.hidden)
         s.base.copy_(torch.where(live, s.base + k + 1, torch.zeros_like(s.base)))
-        return ChainOutputs(tokens, k, bonus, ext.logits, ext.first, ext.hidden)
+        return ChainOutputs(tokens, k, bonus, ext.logits, first, ext.hidden)

@@ -9,8 +9,10 @@ that far ahead (Scheduler.schedule_decode_window with `ahead` = W) and nothing i
 runs. A request that stops inside step N had step N + 1 run for it too: that work is discarded, and the
 batch change ends the chain after N + 1 (the survivors' draft states are written back to them).
 
-Only batches whose every token the device can choose qualify: greedy, context-free (no penalties or
-min_tokens), no logprobs, and 2 W positions of room under max_model_len.
+Only batches whose every token the device can choose qualify: context-free (no penalties or min_tokens),
+no logprobs, and 2 W positions of room under max_model_len. A batch with sampled (T > 0) requests runs the
+sampled chain step (chain.py): every draft and target token drawn with the request's own noise for that
+output token, so a seeded request gets the tokens plain sampling gives it.
 
 With adaptive speculation (adaptive.py) each chained step is timed (the wall time between two reads, one
 step apart once the chain runs) and its acceptance recorded, and before each launch the policy is asked
@@ -25,12 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from ..batching import padded_tables
-from ..executor import CHAIN
+from ..executor import CHAIN, CHAIN_SAMPLED
 from ..graphs.runner import CudaGraphRunner
 from ..outputs import RequestOutput
 from ..request import Request
 from .adaptive import candidate_widths
-from .chain import ChainBatch, ChainOutputs
+from .chain import ChainBatch, ChainOutputs, ChainSampling
 from .host import ChainHost
 from .verify import context_free
 
@@ -42,23 +44,30 @@ class InflightChain:
     host: torch.Tensor  # [B, W + 2] tokens, accepted count, bonus: on their way to the host
     ready: torch.cuda.Event | None
     table_lens: list[int]  # block-table lengths in the graph's buffers
+    runner: CudaGraphRunner | None = None  # the chain step it replays (greedy or sampled)
 
 
 class ChainLoop:
-    def __init__(self, worker: ChainHost, runner: CudaGraphRunner) -> None:
-        """runner: the executor's CHAIN runner (chained replays restage nothing: they read its buffers)."""
+    def __init__(self, worker: ChainHost, runner: CudaGraphRunner, sampled: CudaGraphRunner | None = None) -> None:
+        """runner: the executor's CHAIN runner (chained replays restage nothing: they read its buffers);
+        sampled: its CHAIN_SAMPLED runner, for batches with sampled (T > 0) requests."""
         self.worker = weakref.proxy(worker)  # the worker owns this loop: no reference cycle back to it
         self.engine = worker.engine
         self.runner = runner
+        self.sampled = sampled
         self.width = worker.num_draft_tokens
         self.inflight: InflightChain | None = None
         self._last_read: float | None = None  # when the previous step's tokens were read (adaptive timing)
         self._stream = torch.cuda.Stream(self.engine.device) if self.engine.device.type == "cuda" else None
 
+    def _runner_for(self, reqs: list[Request]) -> CudaGraphRunner | None:
+        return self.runner if all(r.params.greedy for r in reqs) else self.sampled
+
     def eligible(self, reqs: list[Request]) -> bool:
         limit = self.engine.config.max_model_len - 2 * self.width
-        return (self.runner.bucket_for(len(reqs)) in self.runner.graphs
-                and all(r.params.greedy and r.params.logprobs is None and context_free(r)
+        runner = self._runner_for(reqs)
+        return (runner is not None and runner.bucket_for(len(reqs)) in runner.graphs
+                and all(r.params.logprobs is None and context_free(r)
                         and r.num_computed_tokens <= limit and self.worker.drafter.ready(r) for r in reqs))
 
     # ---- launch ----------------------------------------------------------------------------
@@ -71,13 +80,18 @@ class ChainLoop:
         roots = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in reqs]
         t = eng.executor.upload([roots, [r.num_computed_tokens for r in reqs], padded_tables(reqs, cols), [1] * n])
         states = [r.spec_state for r in reqs]
-        batch = ChainBatch(t[0], torch.stack([s.first for s in states]), torch.stack([s.hidden for s in states]),
-                           t[1], t[2].view(n, cols), t[3])
-        eager_before = self.runner.stats.eager
-        out = eng.executor.run(CHAIN, batch)  # self.runner's replay (or its counted eager fallback)
-        w = self._in_flight(reqs, out, [len(r.block_table) for r in reqs])
+        runner = self._runner_for(reqs)
+        sampling = None if runner is self.runner else self._sampling(reqs)
+        first = torch.stack([s.first for s in states])
+        if sampling is not None:  # a sampled request's first draft draws with its next output token's noise
+            first = runner.step._draft_pick(sampling, sampling.draws)(torch.stack([s.logits for s in states]))
+        batch = ChainBatch(t[0], first, torch.stack([s.hidden for s in states]), t[1], t[2].view(n, cols), t[3],
+                           sampling)
+        eager_before = runner.stats.eager
+        out = eng.executor.run(CHAIN if sampling is None else CHAIN_SAMPLED, batch)  # a replay, or counted eager
+        w = self._in_flight(reqs, out, [len(r.block_table) for r in reqs], runner)
         # chained replays read the graph's buffers: only after a replay (not an eager fallback) filled them
-        if eng.overlap_schedule and not self.worker.profile.enabled and self.runner.stats.eager == eager_before:
+        if eng.overlap_schedule and not self.worker.profile.enabled and runner.stats.eager == eager_before:
             self.inflight = w
             return []
         outputs = self._collect(w)
@@ -104,22 +118,35 @@ class ChainLoop:
         if eng.scheduler.schedule_decode_window(self.width, ahead=self.width) is None:
             return None
         lens = [len(r.block_table) for r in w.reqs]
+        runner = w.runner
         if lens != w.table_lens:  # a table grew: refresh the graph's copy (rows past a table stay unread)
             cols = max(lens)
-            bucket = self.runner.bucket_for(len(w.reqs))
-            view = self.runner.buffers.view("block_tables", bucket)
+            bucket = runner.bucket_for(len(w.reqs))
+            view = runner.buffers.view("block_tables", bucket)
             table = eng.executor.upload([padded_tables(w.reqs, cols)])[0]
             view[:len(w.reqs), :cols].copy_(table.view(len(w.reqs), cols))
-        out = self.runner.replay_unstaged(len(w.reqs))
-        return None if out is None else self._in_flight(w.reqs, out, lens)
+        out = runner.replay_unstaged(len(w.reqs))
+        return None if out is None else self._in_flight(w.reqs, out, lens, runner)
 
     def _widths(self) -> tuple[int, ...]:
         return candidate_widths(self.width, False)
 
-    def _in_flight(self, reqs: list[Request], out: ChainOutputs, table_lens: list[int]) -> InflightChain:
+    def _sampling(self, reqs: list[Request]) -> ChainSampling:
+        """The requests' sampling settings and draw counts on the device (greedy rows: sampled = 0)."""
+        vocab = self.engine.model_config.vocab_size
+        ps = [r.params for r in reqs]
+        ints = self.engine.executor.upload([[r.seed for r in reqs], [r.draws for r in reqs],
+                                            [0 if p.greedy else 1 for p in ps],
+                                            [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]])
+        floats = torch.tensor([[1.0 if p.greedy else float(p.temperature) for p in ps], [float(p.top_p) for p in ps],
+                               [float(p.min_p) for p in ps]], dtype=torch.float32).to(self.engine.device)
+        return ChainSampling(ints[0], ints[1], ints[2], floats[0], ints[3], floats[1], floats[2])
+
+    def _in_flight(self, reqs: list[Request], out: ChainOutputs, table_lens: list[int],
+                   runner: CudaGraphRunner) -> InflightChain:
         packed = torch.cat([out.tokens, out.accepted[:, None], out.bonus[:, None]], dim=1)
         if self._stream is None:
-            return InflightChain(reqs, out, packed, None, table_lens)
+            return InflightChain(reqs, out, packed, None, table_lens, runner)
         # a copy on its own stream: the next step's kernels need not queue behind it
         host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         self._stream.wait_stream(torch.cuda.current_stream(self.engine.device))
@@ -128,7 +155,7 @@ class ChainLoop:
             ready = torch.cuda.Event()
             ready.record()
         packed.record_stream(self._stream)
-        return InflightChain(reqs, out, host, ready, table_lens)
+        return InflightChain(reqs, out, host, ready, table_lens, runner)
 
     # ---- read back -------------------------------------------------------------------------
     def advance(self) -> list[RequestOutput]:
@@ -160,6 +187,8 @@ class ChainLoop:
                 continue
             k, bonus = row[width], row[width + 1]
             r.num_computed_tokens += k + 1  # the chain's KV already sits in place
+            if not r.params.greedy:  # the emitted tokens' draws are taken (the graph advanced its own count)
+                r.draws += k + 1
             self.worker.emit_verified(r, width - 1, k, row[1:k + 1] + [bonus])
             eng.sink.emit(outputs, r)
         return outputs

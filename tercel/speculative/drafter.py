@@ -54,9 +54,9 @@ class Drafter:
     def init_graphs(self, config: "GraphConfig", max_blocks: int) -> None:
         """Capture the drafter's own steps (draft loop, draft_extend) for every bucket; default: none."""
 
-    def chain_step(self, max_blocks: int):
+    def chain_step(self, max_blocks: int, sampled: bool = False):
         """A step kind that runs draft, verify, accept and draft_extend as one chained graph step
-        (spec/chain.py), or None: this drafter has none."""
+        (spec/chain.py; sampled: for batches with sampled requests), or None: this drafter has none."""
         return None
 
     def ready(self, req: Request) -> bool:

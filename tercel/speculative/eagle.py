@@ -240,12 +240,13 @@ class EagleDrafter(Drafter):
         """The executor's draft_extend runner (None: it runs eagerly)."""
         return self.engine.executor.runner(DRAFT_EXTEND)
 
-    def chain_step(self, max_blocks: int):
+    def chain_step(self, max_blocks: int, sampled: bool = False):
         if self.topk != 1:
             return None
         from .chain import EagleChainStep
 
-        return EagleChainStep(self.engine.model, self.engine.kv, self.loop_step, self.extend_step, max_blocks)
+        return EagleChainStep(self.engine.model, self.engine.kv, self.loop_step, self.extend_step, max_blocks,
+                              sampled=sampled)
 
     def _propose_on_device(self, reqs: list[Request]) -> DeviceChains:
         """The greedy chain draft loop for the whole batch in one step (a graph replay when captured)."""

@@ -16,6 +16,7 @@ metadata from device tensors), so graph mode and eager mode compute the same fun
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -141,8 +142,10 @@ class EagleDraftLoopStep(_DraftStep):
     def live_outputs(self, out: torch.Tensor, num_live: int, mode: CaptureHiddenMode) -> torch.Tensor:
         return out[:num_live]
 
-    def body(self, b: DraftLoopBatch, graph: bool) -> torch.Tensor:
-        """[B, num_steps + 1] target ids: the root, then the greedy chain."""
+    def body(self, b: DraftLoopBatch, graph: bool,
+             pick: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """[B, num_steps + 1] target ids: the root, then the greedy chain. pick(s, logits): the target ids of
+        chain position s + 1 from the draft logits [B, Vd] (default: the top-1; a sampled chain draws)."""
         model, bs = self.model, self.kv.block_size
         n = b.roots.shape[0]
         rows = torch.arange(n, device=b.roots.device)
@@ -156,7 +159,8 @@ class EagleDraftLoopStep(_DraftStep):
             meta = (self.backend.capture_metadata(fb, bs, 1) if graph else self.backend.prepare(fb, bs))
             h = model(ids, h, pos.clamp(max=self.max_position), _attend(self.backend, fb, meta, self.kv),
                       from_target=False)
-            ids = _to_target(model, greedy_tokens(model.compute_logits(h)))
+            logits = model.compute_logits(h)
+            ids = _to_target(model, greedy_tokens(logits)) if pick is None else pick(s, logits)
             tokens.append(ids)
         return torch.stack(tokens, dim=1)
 

@@ -22,7 +22,7 @@ import torch
 
 from ..batching import step_batch
 from ..dev_overrides import env
-from ..executor import CHAIN, DECODE, verify_key
+from ..executor import CHAIN, CHAIN_SAMPLED, DECODE, verify_key
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from ..graphs.runner import CudaGraphRunner, GraphConfig
 from ..graphs.steps import ModelStep
@@ -246,7 +246,9 @@ class SpecWorker:
             if chain_step is not None:
                 from .chain_loop import ChainLoop
 
-                self.chain = ChainLoop(self, ex.register(CHAIN, chain_step, config))
+                sampled = self.drafter.chain_step(max_blocks, sampled=True)
+                self.chain = ChainLoop(self, ex.register(CHAIN, chain_step, config),
+                                       ex.register(CHAIN_SAMPLED, sampled, config))
 
     @property
     def inflight(self) -> bool:
