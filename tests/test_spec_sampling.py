@@ -212,3 +212,29 @@ def test_sampled_eagle_chains_run_as_one_chained_step_with_the_plain_tokens(tiny
     assert chain.sampled.stats.replays > 0 and chain.sampled.stats.eager == 0 and chain.inflight is None
     assert llm.engine.spec_stats().accepted_tokens > 0
     assert llm.engine.stats().kv_blocks_used == 0
+
+
+def test_a_sampled_chain_step_that_fails_to_capture_leaves_sampled_chains_unchained(tiny, monkeypatch, caplog):
+    """The sampled chain step is never fatal: when its capture fails, the engine starts, logs why, and sampled
+    requests take the worker's unchained steps (still plain's tokens)."""
+    from spec_utils import spec_llm
+
+    from tercel.speculative.chain import EagleChainStep
+
+    step = EagleChainStep._step
+
+    def broken(self, s):
+        if self.sampled:
+            raise RuntimeError("an op this backend cannot capture")
+        return step(self, s)
+
+    monkeypatch.setattr(EagleChainStep, "_step", broken)
+    hf, base, draft, hot = tiny
+    with caplog.at_level("WARNING"):
+        llm = spec_llm(base, max_num_seqs=4, speculative_adaptive=False, cuda_graph_backend="breakable-debug",
+                       cuda_graph_max_bs=4, speculative_draft_model_path=draft, **SEEDED["eagle3-chain"])
+    assert llm.engine.spec.chain.sampled is None and "could not be captured" in caplog.text
+    params = [SamplingParams(max_tokens=12, seed=7 + i, ignore_eos=True, temperature=1.0) for i in range(3)]
+    prompts = [PROMPT[: 2 + i] for i in range(3)]
+    assert ([o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in base.generate(prompts, params)])

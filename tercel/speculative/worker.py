@@ -13,6 +13,7 @@ KV bookkeeping for one request whose root (last sampled token) sits at position 
 """
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from .verify import Accepted, accept_greedy_batched, accept_walk, context_free, 
 if TYPE_CHECKING:
     from .chain_loop import ChainLoop
 
+log = logging.getLogger(__name__)
 PLAIN_GRANT_REUSE = 8  # plain windows that reuse the policy's answer for an unchanged batch before it is asked again
 
 
@@ -246,9 +248,15 @@ class SpecWorker:
             if chain_step is not None:
                 from .chain_loop import ChainLoop
 
-                sampled = self.drafter.chain_step(max_blocks, sampled=True)
-                self.chain = ChainLoop(self, ex.register(CHAIN, chain_step, config),
-                                       ex.register(CHAIN_SAMPLED, sampled, config))
+                greedy = ex.register(CHAIN, chain_step, config)
+                try:  # sampled chains: never fatal (without it they take the worker's unchained steps)
+                    sampled = ex.register(CHAIN_SAMPLED, self.drafter.chain_step(max_blocks, sampled=True), config)
+                except Exception as e:  # noqa: BLE001 (a capture error of any kind)
+                    log.warning("the sampled chain step could not be captured (%s); sampled EAGLE chains run "
+                                "unchained", e)
+                    ex.steps.pop(CHAIN_SAMPLED, None)
+                    sampled = None
+                self.chain = ChainLoop(self, greedy, sampled)
 
     @property
     def inflight(self) -> bool:
