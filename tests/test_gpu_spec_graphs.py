@@ -93,6 +93,24 @@ def test_fp32_speculative_equals_plain(fp32, chats, name):
     assert all(margin < 1e-3 for *_, margin in report), report  # only near-ties may part
 
 
+def test_fp32_sampled_eagle_chains_run_chained_and_give_the_plain_tokens(fp32, chats):
+    """Seeded T = 1 (top-p 0.95, one greedy request beside them): the sampled chain step's replays give the
+    tokens plain sampling gives (fp32; a near-tie of the target's draw may part them, as for greedy)."""
+    prompts = chats[:8]
+    params = [SamplingParams(max_tokens=64, seed=11 + i, ignore_eos=True,
+                             **(dict(temperature=0.0) if i == 3 else dict(temperature=1.0, top_p=0.95)))
+              for i in range(len(prompts))]
+    plain = [o.outputs[0].token_ids for o in fp32.generate(prompts, params)]
+    llm = spec_llm(fp32, **GRAPH_BS, speculative_adaptive="off", **ALGOS["eagle3-chain"])
+    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    chain = llm.engine.spec.chain
+    assert chain.sampled is not None and chain.sampled.stats.replays > 0 and chain.sampled.stats.eager == 0
+    same = sum(p == s for p, s in zip(plain, spec))
+    assert same >= len(prompts) - 1, [next((k for k, (a, b) in enumerate(zip(p, s)) if a != b), None)
+                                      for p, s in zip(plain, spec)]
+    assert llm.engine.spec_stats().mean_accept_length > 1.5
+
+
 @pytest.mark.parametrize("kw", [dict(speculative_algorithm="DFLASH", speculative_num_draft_tokens=n, **DF)
                                 for n in (2, 8, 9, 16, 32, 64)]
                          + [dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=n, **DF)
