@@ -4,6 +4,7 @@
 #   STEP=tests N=2      the last part, reassemble, the GPU suite (carry .carry/smol-2 .carry/whl)
 #   STEP=bench          benchmarks/spec_rounds.py: every configuration in interleaved rounds
 #   STEP=bench SHAPE=llama8b SKIP=1 NAME=llama8b   the 8B shape alone (random weights, random EAGLE-3 head)
+#   STEP=memcheck       compute-sanitizer memcheck over benchmarks/spec_memcheck.py (all five algorithms)
 # Logs and results land in $OUT as they are written, so a cut call still returns them.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -11,6 +12,11 @@ M=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p /tmp/smol
 if [ -n "${N:-}" ]; then cp .carry/smol-$N/* /tmp/smol/; fi
 [ "${STEP}" = part ] && { nvidia-smi --query-gpu=name,memory.used --format=csv; exit 0; }
+if [ "${STEP}" = memcheck ]; then  # no model needed: random weights (carry .carry/whl for transformers' gguf)
+  PYTHONPATH=. timeout ${TEST_S:-500} compute-sanitizer --tool memcheck --error-exitcode 9 python3 \
+    benchmarks/spec_memcheck.py 2>&1 | tee $OUT/spec_memcheck_${TERCEL_COMMIT}.log | grep -v "^Writing" | tail -20
+  exit 0
+fi
 if [ ! -f $M ]; then
   cat /tmp/smol/smolpart* > $M && echo "a1231443440b107ff29f02bdb38c9d0a  $M" | md5sum -c || exit 3
 fi
