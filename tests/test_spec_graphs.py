@@ -165,6 +165,25 @@ def test_eagle_chain_runs_into_max_model_len(smol_llm, prompts, plain, graphs):
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_chained_dflash_steps_equal_plain(smol_llm, prompts, plain, overlap):
+    """Greedy DFLASH as one chained step (block forward over the context cache, verify, accept, context
+    injection; the state carried in the graph's buffers), the host one step behind under the overlap
+    schedule: plain's tokens at different stopping lengths, no KV block left, and a new batch restarts it."""
+    llm = spec_llm(smol_llm, **GRAPHS, cuda_graph_max_bs=4, disable_overlap_schedule=not overlap,
+                   speculative_adaptive="off", **ALGOS["dflash"])
+    chain = llm.engine.spec.chain
+    assert chain is not None and chain.sampled is None
+    lengths = [16, 5, 11]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outs == [p[:n] for p, n in zip(plain, lengths)]
+    assert chain.runner.stats.replays > 0 and chain.runner.stats.eager == 0 and chain.inflight is None
+    assert llm.engine.spec_stats().accepted_tokens > 0
+    assert llm.engine.stats().kv_blocks_used == 0
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params[0])] == [plain[0]]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 def test_chained_eagle_steps_equal_plain(smol_llm, prompts, plain, overlap):
     """Greedy EAGLE chains as one chained step (draft, verify, accept, draft_extend; the state carried in the
     graph's buffers), with the host one step behind under the overlap schedule: requests stopping at

@@ -32,7 +32,7 @@ from ..graphs.runner import CudaGraphRunner
 from ..outputs import RequestOutput
 from ..request import Request
 from .adaptive import candidate_widths
-from .chain import ChainBatch, ChainOutputs, ChainSampling
+from .chain import ChainOutputs, ChainSampling
 from .host import ChainHost
 from .verify import context_free
 
@@ -79,14 +79,10 @@ class ChainLoop:
         cols = max(len(r.block_table) for r in reqs)
         roots = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in reqs]
         t = eng.executor.upload([roots, [r.num_computed_tokens for r in reqs], padded_tables(reqs, cols), [1] * n])
-        states = [r.spec_state for r in reqs]
         runner = self._runner_for(reqs)
         sampling = None if runner is self.runner else self._sampling(reqs)
-        first = torch.stack([s.first for s in states])
-        if sampling is not None:  # a sampled request's first draft draws with its next output token's noise
-            first = runner.step._draft_pick(sampling, sampling.draws)(torch.stack([s.logits for s in states]))
-        batch = ChainBatch(t[0], first, torch.stack([s.hidden for s in states]), t[1], t[2].view(n, cols), t[3],
-                           sampling)
+        # the drafter's own state joins the staged inputs (EAGLE: the first draft and hidden state)
+        batch = self.worker.drafter.chain_batch(reqs, t[0], t[1], t[2].view(n, cols), t[3], sampling, runner.step)
         eager_before = runner.stats.eager
         out = eng.executor.run(CHAIN if sampling is None else CHAIN_SAMPLED, batch)  # a replay, or counted eager
         w = self._in_flight(reqs, out, [len(r.block_table) for r in reqs], runner)
@@ -196,12 +192,8 @@ class ChainLoop:
     def _end(self, w: InflightChain) -> None:
         """The chain stops after step `w` (the last one replayed): the survivors take their draft state from
         its outputs and give back the blocks reserved past their tokens."""
-        from .eagle import EagleState
-
-        out = w.out
         for i, r in enumerate(w.reqs):
             if r.finish_reason is None:
-                r.spec_state = EagleState(r.num_computed_tokens, out.hidden[i].clone(), out.logits[i].clone(),
-                                          out.first[i].clone())
+                self.worker.drafter.chain_ended(r, w.out, i)
                 r.draft_kv_len = r.num_computed_tokens
                 self.worker.free_unused_blocks(r)

@@ -137,6 +137,24 @@ class DFlashDrafter(Drafter):
             spans.append(RowSpan(r, base, len(nodes)))
         self._inject(rows, spans, hidden)
 
+    # ---- the chained step (DFLASH, greedy) --------------------------------------------------
+    def chain_step(self, max_blocks: int, sampled: bool = False):
+        """DFLASH's greedy step as one chained graph step (dflash_chain.py); DDTREE's trees and sampled blocks
+        take the worker's steps."""
+        if sampled or self.tree_budget is not None:
+            return None
+        from .dflash_chain import DFlashChainStep
+
+        return DFlashChainStep(self.engine.model, self.engine.kv, self.draft, self.cache, self.block_size, max_blocks)
+
+    def chain_batch(self, reqs, roots, base, tables, live, sampling, step):
+        from .dflash_chain import DFlashChainBatch
+
+        return DFlashChainBatch(roots, base, tables, live)
+
+    def chain_ended(self, r: Request, out, i: int) -> None:
+        self._state(r).context_len = r.num_computed_tokens  # the chain injected every committed position
+
     # ---- draft ---------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, reqs: list[Request]) -> list[DraftTree]:

@@ -8,7 +8,7 @@ Per-request state lives on `Request.spec_state`, so it goes away with the reques
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -58,6 +58,16 @@ class Drafter:
         """A step kind that runs draft, verify, accept and draft_extend as one chained graph step
         (spec/chain.py; sampled: for batches with sampled requests), or None: this drafter has none."""
         return None
+
+    def chain_batch(self, reqs: list[Request], roots: torch.Tensor, base: torch.Tensor, tables: torch.Tensor,
+                    live: torch.Tensor, sampling: Any, step: Any) -> Any:
+        """The chained step's first inputs: the staged roots, positions, block tables and live flags, plus
+        this drafter's own state of each request (chain_loop.py)."""
+        raise NotImplementedError
+
+    def chain_ended(self, r: Request, out: Any, i: int) -> None:
+        """A chain ended after a step whose outputs are `out`: request row i takes its draft state from them."""
+        raise NotImplementedError
 
     def ready(self, req: Request) -> bool:
         """Can this decoding request be drafted for now (its draft state is current)?"""

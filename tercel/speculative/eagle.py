@@ -248,6 +248,19 @@ class EagleDrafter(Drafter):
         return EagleChainStep(self.engine.model, self.engine.kv, self.loop_step, self.extend_step, max_blocks,
                               sampled=sampled)
 
+    def chain_batch(self, reqs, roots, base, tables, live, sampling, step):
+        from .chain import ChainBatch
+
+        states = [r.spec_state for r in reqs]
+        first = torch.stack([s.first for s in states])
+        if sampling is not None:  # a sampled request's first draft draws with its next output token's noise
+            first = step._draft_pick(sampling, sampling.draws)(torch.stack([s.logits for s in states]))
+        return ChainBatch(roots, first, torch.stack([s.hidden for s in states]), base, tables, live, sampling)
+
+    def chain_ended(self, r: Request, out, i: int) -> None:
+        r.spec_state = EagleState(r.num_computed_tokens, out.hidden[i].clone(), out.logits[i].clone(),
+                                  out.first[i].clone())
+
     def _propose_on_device(self, reqs: list[Request]) -> DeviceChains:
         """The greedy chain draft loop for the whole batch in one step (a graph replay when captured)."""
         states = [r.spec_state for r in reqs]

@@ -249,8 +249,9 @@ class SpecWorker:
                 from .chain_loop import ChainLoop
 
                 greedy = ex.register(CHAIN, chain_step, config)
+                sampled_step = self.drafter.chain_step(max_blocks, sampled=True)
                 try:  # sampled chains: never fatal (without it they take the worker's unchained steps)
-                    sampled = ex.register(CHAIN_SAMPLED, self.drafter.chain_step(max_blocks, sampled=True), config)
+                    sampled = None if sampled_step is None else ex.register(CHAIN_SAMPLED, sampled_step, config)
                 except Exception as e:  # noqa: BLE001 (a capture error of any kind)
                     log.warning("the sampled chain step could not be captured (%s); sampled EAGLE chains run "
                                 "unchained", e)

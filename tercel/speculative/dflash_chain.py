@@ -1,0 +1,123 @@
+"""The whole greedy DFLASH step as one step kind (like the EAGLE chain, chain.py): the block forward, verify,
+accept and the context injection on the device, the request state carried in the graph's own buffers.
+
+Per request the state is (root token, base = the root's position): the draft's context cache holds the
+target's states of positions [0, base). One replay runs the draft over the block [root, mask, ..., mask] at
+base .. base + S - 1 (attending to the whole context, masked past base: the graph reads every slot its block
+table could hold), takes the block's top-1 drafts, verifies root + drafts through the target (S rows, FULL
+hidden capture of the draft's target layers), accepts the longest matching prefix plus the bonus token,
+injects the target's states of the root and the accepted drafts into the context cache (the other rows write
+the dummy slot) and writes the next state back into its input buffers. So consecutive steps of an unchanged
+batch replay with nothing staged, under the same chain loop as EAGLE's (chain_loop.py).
+
+A shorter block near a request's max_tokens (the eager path's block_lens) is not needed here: drafts past
+max_tokens are verified and never emitted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..forward_batch import CaptureHiddenMode, ForwardBatch
+from ..graphs.buffers import BufferSpec, Pad, Per
+from ..graphs.runner import StepKind
+from ..kv import PagedKVCache
+from ..models.dflash import DFlashDraftModel
+from ..sampling import greedy_tokens
+from .verify import accept_greedy_batched
+
+
+@dataclass(slots=True)
+class DFlashChainBatch:
+    """The state a DFLASH chain step starts from, for B requests (updated in place by the step)."""
+    roots: torch.Tensor  # [B] the last sampled token
+    base: torch.Tensor  # [B] the root's position (the context cache covers [0, base))
+    block_tables: torch.Tensor  # [B, width] zero-padded; cover base + S (and, chained, the next step's S)
+    live: torch.Tensor  # [B] 1 for a real request (padding rows: 0)
+    capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
+
+    @property
+    def num_requests(self) -> int:
+        return self.roots.shape[0]
+
+
+@dataclass(slots=True)
+class DFlashChainOutputs:
+    tokens: torch.Tensor  # [B, S] root + drafted block (target ids)
+    accepted: torch.Tensor  # [B] drafts accepted (k)
+    bonus: torch.Tensor  # [B] the target's token after the accepted ones
+
+
+class DFlashChainStep(StepKind):
+    name = "dflash_chain"
+    tokens_per_request = 1  # every buffer is per request
+
+    def __init__(self, target: torch.nn.Module, kv: PagedKVCache, draft: DFlashDraftModel, cache: PagedKVCache,
+                 block: int, max_blocks: int) -> None:
+        self.target, self.kv, self.draft, self.cache = target, kv, draft, cache
+        self.width = block  # S: root + S - 1 drafts
+        self.max_blocks = max_blocks
+
+    def buffer_specs(self) -> list[BufferSpec]:
+        return [BufferSpec("roots", Per.REQUEST, torch.long, Pad.ZERO),
+                BufferSpec("base", Per.REQUEST, torch.long, Pad.ZERO),
+                BufferSpec("block_tables", Per.REQUEST, torch.long, Pad.ZERO, shape=(self.max_blocks,)),
+                BufferSpec("live", Per.REQUEST, torch.long, Pad.ZERO)]
+
+    def unsupported(self, batch: DFlashChainBatch) -> str | None:
+        if batch.block_tables.shape[1] > self.max_blocks:
+            return f"block table of width {batch.block_tables.shape[1]} exceeds the captured {self.max_blocks}"
+        return None
+
+    def live_inputs(self, batch: DFlashChainBatch) -> dict[str, torch.Tensor]:
+        return {"roots": batch.roots, "base": batch.base, "block_tables": batch.block_tables, "live": batch.live}
+
+    def static_batch(self, views: dict[str, torch.Tensor], num_requests: int,
+                     mode: CaptureHiddenMode) -> DFlashChainBatch:
+        return DFlashChainBatch(views["roots"], views["base"], views["block_tables"], views["live"])
+
+    def forward(self, static: DFlashChainBatch) -> DFlashChainOutputs:
+        return self._step(static)
+
+    def eager(self, batch: DFlashChainBatch) -> DFlashChainOutputs:
+        return self._step(batch)
+
+    def live_outputs(self, out: DFlashChainOutputs, num_live: int, mode: CaptureHiddenMode) -> DFlashChainOutputs:
+        return DFlashChainOutputs(out.tokens[:num_live], out.accepted[:num_live], out.bonus[:num_live])
+
+    def _step(self, s: DFlashChainBatch) -> DFlashChainOutputs:
+        n, w, bs = s.roots.shape[0], self.width, self.kv.block_size
+        dev = s.roots.device
+        cfg = self.draft.config
+        j = torch.arange(w, device=dev)
+        pos = s.base[:, None] + j  # [B, S]
+        # draft: the block [root, mask ...] over the whole context (slots past base masked out)
+        ids = torch.where(j == 0, s.roots[:, None], torch.full_like(pos, cfg.mask_token_id))
+        embeds = self.target.embed_tokens(ids) * cfg.input_embedding_scale
+        c = torch.arange(self.max_blocks * bs, device=dev)
+        ctx_mask = c[None, :] < s.base[:, None]
+        ctx_slots = torch.where(ctx_mask, s.block_tables[:, c // bs] * bs + c % bs, torch.zeros_like(ctx_mask,
+                                                                                                     dtype=torch.long))
+        hidden = self.draft(embeds, pos, ctx_slots, ctx_mask, self.cache)
+        logits = self.target.compute_logits(hidden[:, 1:]) * cfg.output_multiplier  # [B, S - 1, V]
+        drafts = greedy_tokens(logits.reshape(n * (w - 1), -1)).view(n, w - 1)
+        tokens = torch.cat([s.roots[:, None], drafts], dim=1)
+        # verify: S rows per request at base .. base + S - 1, every row's logits and the draft's target layers
+        rows = torch.arange(n, device=dev)[:, None]
+        slots = s.block_tables[rows, pos // bs] * bs + pos % bs
+        fb = ForwardBatch(input_ids=tokens.reshape(-1), positions=pos.reshape(-1), out_cache_loc=slots.reshape(-1),
+                          seq_lens=s.base + w, block_tables=s.block_tables,
+                          logits_indices=torch.arange(n * w, device=dev), query_lens=[w] * n, seq_lens_cpu=[w] * n,
+                          capture_hidden_mode=CaptureHiddenMode.FULL)
+        out = self.target(fb, self.kv, attn_meta=self.target.attn_backend.capture_metadata(fb, bs, w))
+        k, bonus = accept_greedy_batched(greedy_tokens(out.logits).view(n, w), tokens,
+                                         torch.full((n,), w, device=dev))
+        # the context grows by the root and the accepted drafts (the other rows write the dummy slot 0)
+        keep = torch.where(j[None, :] <= k[:, None], slots, torch.zeros_like(slots))
+        self.draft.inject_context(out.hidden_states, pos.reshape(-1), keep.reshape(-1), self.cache)
+        # the next step's state, in place: padding rows keep base 0
+        live = s.live.bool()
+        s.roots.copy_(torch.where(live, bonus, s.roots))
+        s.base.copy_(torch.where(live, s.base + k + 1, torch.zeros_like(s.base)))
+        return DFlashChainOutputs(tokens, k, bonus)
