@@ -248,16 +248,16 @@ class SpecWorker:
             if chain_step is not None:
                 from .chain_loop import ChainLoop
 
-                greedy = ex.register(CHAIN, chain_step, config)
-                sampled_step = self.drafter.chain_step(max_blocks, sampled=True)
-                try:  # sampled chains: never fatal (without it they take the worker's unchained steps)
-                    sampled = None if sampled_step is None else ex.register(CHAIN_SAMPLED, sampled_step, config)
-                except Exception as e:  # noqa: BLE001 (a capture error of any kind)
-                    log.warning("the sampled chain step could not be captured (%s); sampled EAGLE chains run "
-                                "unchained", e)
-                    ex.steps.pop(CHAIN_SAMPLED, None)
-                    sampled = None
-                self.chain = ChainLoop(self, greedy, sampled)
+                runners = []
+                for key, step in ((CHAIN, chain_step), (CHAIN_SAMPLED, self.drafter.chain_step(max_blocks, True))):
+                    try:  # never fatal: without a chained step the worker's separate steps serve its batches
+                        runners.append(None if step is None else ex.register(key, step, config))
+                    except Exception as e:  # noqa: BLE001 (a capture error of any kind)
+                        log.warning("the %s step could not be captured (%s); its batches run unchained", key.name, e)
+                        ex.steps.pop(key, None)
+                        runners.append(None)
+                if runners[0] is not None:
+                    self.chain = ChainLoop(self, runners[0], runners[1])
 
     @property
     def inflight(self) -> bool:
