@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..models.cpu_linear import CpuPackedLinear, PackedInt4, UnpackedDense, cpu_bf16_support
+from ..models.cpu_linear import CpuPackedLinear, PackedDense, PackedInt4, UnpackedDense, cpu_bf16_support, pack_dense
 from .cache import CACHE_FORMAT, write_atomically
 
 log = logging.getLogger(__name__)
 
-_KINDS: dict[str, type[CpuPackedLinear]] = {"int4": PackedInt4, "dense": UnpackedDense}
+_KINDS: dict[str, type[CpuPackedLinear]] = {"int4": PackedInt4, "dense": UnpackedDense, "onednn": PackedDense}
 
 
 def prepared_file(entry: Path, dtype: torch.dtype, keep_q4: bool) -> Path:
@@ -79,5 +79,7 @@ def load_prepared(model: nn.Module, path: Path) -> bool:
         setattr(owner, leaf, nn.Parameter(tensor, requires_grad=False))
     for key, (kind, tensors) in state["linears"].items():
         owner, attr = _owner(model, key)
-        setattr(owner, attr, _KINDS[kind].from_tensors(tensors))
+        # a dense bf16 weight is packed as this process's CPU takes it now (oneDNN, or F.linear)
+        setattr(owner, attr, pack_dense(tensors["weight"]) if kind in ("dense", "onednn")
+                else _KINDS[kind].from_tensors(tensors))
     return True

@@ -66,12 +66,22 @@ class PackedDense(CpuPackedLinear):
         w = weight.detach().to(torch.bfloat16).contiguous()
         self.out_features = w.shape[0]
         self.nbytes = w.numel() * w.element_size()
+        # the saved form: the bf16 weight (the module's own parameter when it is bf16 already, so no copy);
+        # the oneDNN layout itself is opaque and is made again on load
+        self.source = w
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w, 1)  # laid out for a batch-1 (decode) call
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         y = torch.ops.mkldnn._linear_pointwise(x2, self.weight, bias, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.source}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "PackedDense":
+        return cls(tensors["weight"])
 
 
 class UnpackedDense(CpuPackedLinear):
