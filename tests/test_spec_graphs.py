@@ -172,7 +172,7 @@ def test_chained_dflash_steps_equal_plain(smol_llm, prompts, plain, overlap):
     llm = spec_llm(smol_llm, **GRAPHS, cuda_graph_max_bs=4, disable_overlap_schedule=not overlap,
                    speculative_adaptive="off", **ALGOS["dflash"])
     chain = llm.engine.spec.chain
-    assert chain is not None and chain.sampled is None
+    assert chain is not None
     lengths = [16, 5, 11]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -181,6 +181,22 @@ def test_chained_dflash_steps_equal_plain(smol_llm, prompts, plain, overlap):
     assert llm.engine.spec_stats().accepted_tokens > 0
     assert llm.engine.stats().kv_blocks_used == 0
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params[0])] == [plain[0]]
+
+
+def test_chained_sampled_dflash_steps_give_the_plain_tokens(smol_llm, prompts):
+    """Sampled DFLASH blocks run as the sampled chained step: each draft and target token drawn in the graph
+    with the request's noise for that output token (a greedy request beside them by argmax), so seeded
+    requests get plain sampling's tokens."""
+    llm = spec_llm(smol_llm, **GRAPHS, cuda_graph_max_bs=4, speculative_adaptive="off", **ALGOS["dflash"])
+    chain = llm.engine.spec.chain
+    assert chain is not None and chain.sampled is not None
+    params = [SamplingParams(max_tokens=14, seed=5, temperature=1.0, top_p=0.9, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=12, seed=9, temperature=0.7, top_k=20, ignore_eos=True)]
+    want = [o.outputs[0].token_ids for o in smol_llm.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert chain.sampled.stats.replays > 0 and chain.sampled.stats.eager == 0
+    assert llm.engine.stats().kv_blocks_used == 0
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])

@@ -71,6 +71,12 @@ class ChainSampling:
                                rep(self.min_p), True, True, True)
 
 
+def sampling_buffers() -> list[BufferSpec]:
+    """A sampled chained step's per-request ChainSampling buffers."""
+    return [BufferSpec(f, Per.REQUEST, torch.float32 if f in ("temperature", "top_p", "min_p") else torch.long,
+                       Pad.ZERO) for f in ChainSampling.FIELDS]
+
+
 @dataclass(slots=True)
 class ChainOutputs:
     tokens: torch.Tensor  # [B, W] root + drafted chain (target ids)
@@ -108,8 +114,7 @@ class EagleChainStep(StepKind):
             BufferSpec("base", Per.REQUEST, torch.long, Pad.ZERO),
             BufferSpec("block_tables", Per.REQUEST, torch.long, Pad.ZERO, shape=(self.max_blocks,)),
             BufferSpec("live", Per.REQUEST, torch.long, Pad.ZERO),
-        ] + ([BufferSpec(f, Per.REQUEST, torch.float32 if f in ("temperature", "top_p", "min_p") else torch.long,
-                         Pad.ZERO) for f in ChainSampling.FIELDS] if self.sampled else [])
+        ] + (sampling_buffers() if self.sampled else [])
 
     def unsupported(self, batch: ChainBatch) -> str | None:
         if batch.block_tables.shape[1] > self.max_blocks:

@@ -139,18 +139,19 @@ class DFlashDrafter(Drafter):
 
     # ---- the chained step (DFLASH, greedy) --------------------------------------------------
     def chain_step(self, max_blocks: int, sampled: bool = False):
-        """DFLASH's greedy step as one chained graph step (dflash_chain.py); DDTREE's trees and sampled blocks
-        take the worker's steps."""
-        if sampled or self.tree_budget is not None:
+        """DFLASH's step as one chained graph step (dflash_chain.py; sampled: for batches with sampled
+        requests); DDTREE's trees take the worker's steps."""
+        if self.tree_budget is not None:
             return None
         from .dflash_chain import DFlashChainStep
 
-        return DFlashChainStep(self.engine.model, self.engine.kv, self.draft, self.cache, self.block_size, max_blocks)
+        return DFlashChainStep(self.engine.model, self.engine.kv, self.draft, self.cache, self.block_size, max_blocks,
+                               sampled=sampled)
 
     def chain_batch(self, reqs, roots, base, tables, live, sampling, step):
         from .dflash_chain import DFlashChainBatch
 
-        return DFlashChainBatch(roots, base, tables, live)
+        return DFlashChainBatch(roots, base, tables, live, sampling)
 
     def chain_ended(self, r: Request, out, i: int) -> None:
         self._state(r).context_len = r.num_computed_tokens  # the chain injected every committed position

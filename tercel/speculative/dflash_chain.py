@@ -24,7 +24,8 @@ from ..graphs.buffers import BufferSpec, Pad, Per
 from ..graphs.runner import StepKind
 from ..kv import PagedKVCache
 from ..models.dflash import DFlashDraftModel
-from ..sampling import greedy_tokens
+from ..sampling import greedy_tokens, sample_rows, stream_keys
+from .chain import ChainSampling, sampling_buffers
 from .verify import accept_greedy_batched
 
 
@@ -35,6 +36,7 @@ class DFlashChainBatch:
     base: torch.Tensor  # [B] the root's position (the context cache covers [0, base))
     block_tables: torch.Tensor  # [B, width] zero-padded; cover base + S (and, chained, the next step's S)
     live: torch.Tensor  # [B] 1 for a real request (padding rows: 0)
+    sampling: ChainSampling | None = None  # the sampled step's per-request settings (None: greedy)
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
 
     @property
@@ -54,28 +56,39 @@ class DFlashChainStep(StepKind):
     tokens_per_request = 1  # every buffer is per request
 
     def __init__(self, target: torch.nn.Module, kv: PagedKVCache, draft: DFlashDraftModel, cache: PagedKVCache,
-                 block: int, max_blocks: int) -> None:
+                 block: int, max_blocks: int, sampled: bool = False) -> None:
+        """sampled: the step of batches with sampled (T > 0) requests: each draft and target token drawn with
+        the request's noise for that output token (the plain sampler's), greedy rows by argmax."""
         self.target, self.kv, self.draft, self.cache = target, kv, draft, cache
         self.width = block  # S: root + S - 1 drafts
         self.max_blocks = max_blocks
+        self.sampled = sampled
+        if sampled:
+            self.name = "dflash_chain_sampled"
 
     def buffer_specs(self) -> list[BufferSpec]:
         return [BufferSpec("roots", Per.REQUEST, torch.long, Pad.ZERO),
                 BufferSpec("base", Per.REQUEST, torch.long, Pad.ZERO),
                 BufferSpec("block_tables", Per.REQUEST, torch.long, Pad.ZERO, shape=(self.max_blocks,)),
-                BufferSpec("live", Per.REQUEST, torch.long, Pad.ZERO)]
+                BufferSpec("live", Per.REQUEST, torch.long, Pad.ZERO)] + (sampling_buffers() if self.sampled else [])
 
     def unsupported(self, batch: DFlashChainBatch) -> str | None:
         if batch.block_tables.shape[1] > self.max_blocks:
             return f"block table of width {batch.block_tables.shape[1]} exceeds the captured {self.max_blocks}"
+        if self.sampled != (batch.sampling is not None):
+            return "a batch of the other kind (greedy / sampled)"
         return None
 
     def live_inputs(self, batch: DFlashChainBatch) -> dict[str, torch.Tensor]:
-        return {"roots": batch.roots, "base": batch.base, "block_tables": batch.block_tables, "live": batch.live}
+        out = {"roots": batch.roots, "base": batch.base, "block_tables": batch.block_tables, "live": batch.live}
+        if batch.sampling is not None:
+            out.update({f: getattr(batch.sampling, f) for f in ChainSampling.FIELDS})
+        return out
 
     def static_batch(self, views: dict[str, torch.Tensor], num_requests: int,
                      mode: CaptureHiddenMode) -> DFlashChainBatch:
-        return DFlashChainBatch(views["roots"], views["base"], views["block_tables"], views["live"])
+        sampling = ChainSampling(*(views[f] for f in ChainSampling.FIELDS)) if self.sampled else None
+        return DFlashChainBatch(views["roots"], views["base"], views["block_tables"], views["live"], sampling)
 
     def forward(self, static: DFlashChainBatch) -> DFlashChainOutputs:
         return self._step(static)
@@ -101,7 +114,13 @@ class DFlashChainStep(StepKind):
                                                                                                      dtype=torch.long))
         hidden = self.draft(embeds, pos, ctx_slots, ctx_mask, self.cache)
         logits = self.target.compute_logits(hidden[:, 1:]) * cfg.output_multiplier  # [B, S - 1, V]
-        drafts = greedy_tokens(logits.reshape(n * (w - 1), -1)).view(n, w - 1)
+        flat = logits.reshape(n * (w - 1), -1)
+        drafts = greedy_tokens(flat).view(n, w - 1)
+        sp = s.sampling
+        if sp is not None:  # block position j + 1 draws with output draw draws + j (the target's draw there)
+            keys = stream_keys(sp.seeds[:, None], sp.draws[:, None] + j[None, :-1]).reshape(-1)
+            drawn = sample_rows(flat, sp.settings(flat.shape[-1], w - 1), keys).view(n, w - 1)
+            drafts = torch.where(sp.sampled.bool()[:, None], drawn, drafts)
         tokens = torch.cat([s.roots[:, None], drafts], dim=1)
         # verify: S rows per request at base .. base + S - 1, every row's logits and the draft's target layers
         rows = torch.arange(n, device=dev)[:, None]
@@ -111,13 +130,19 @@ class DFlashChainStep(StepKind):
                           logits_indices=torch.arange(n * w, device=dev), query_lens=[w] * n, seq_lens_cpu=[w] * n,
                           capture_hidden_mode=CaptureHiddenMode.FULL)
         out = self.target(fb, self.kv, attn_meta=self.target.attn_backend.capture_metadata(fb, bs, w))
-        k, bonus = accept_greedy_batched(greedy_tokens(out.logits).view(n, w), tokens,
-                                         torch.full((n,), w, device=dev))
+        targets = greedy_tokens(out.logits).view(n, w)
+        if sp is not None:  # row j: the plain sampler's draw of output token draws + j
+            keys = stream_keys(sp.seeds[:, None], sp.draws[:, None] + j).reshape(-1)
+            drawn = sample_rows(out.logits, sp.settings(out.logits.shape[-1], w), keys).view(n, w)
+            targets = torch.where(sp.sampled.bool()[:, None], drawn, targets)
+        k, bonus = accept_greedy_batched(targets, tokens, torch.full((n,), w, device=dev))
         # the context grows by the root and the accepted drafts (the other rows write the dummy slot 0)
         keep = torch.where(j[None, :] <= k[:, None], slots, torch.zeros_like(slots))
         self.draft.inject_context(out.hidden_states, pos.reshape(-1), keep.reshape(-1), self.cache)
         # the next step's state, in place: padding rows keep base 0
         live = s.live.bool()
+        if sp is not None:
+            sp.draws.copy_(torch.where(live & sp.sampled.bool(), sp.draws + k + 1, sp.draws))
         s.roots.copy_(torch.where(live, bonus, s.roots))
         s.base.copy_(torch.where(live, s.base + k + 1, torch.zeros_like(s.base)))
         return DFlashChainOutputs(tokens, k, bonus)
