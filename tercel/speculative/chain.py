@@ -147,16 +147,19 @@ class EagleChainStep(StepKind):
         return ChainOutputs(*(t[:num_live] for t in (out.tokens, out.accepted, out.bonus, out.logits, out.first,
                                                      out.hidden)))
 
-    def _draft_pick(self, sp: ChainSampling, draw: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _draft_pick(self, sp: ChainSampling, draw: torch.Tensor,
+                    st: SamplingTensors | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
         """Target ids from draft logits [B, Vd]: sampled rows race the request's noise of draw `draw` [B] (the
-        target's own draw for that output token), greedy rows take the top-1."""
+        target's own draw for that output token), greedy rows take the top-1. st: the draft-vocabulary settings,
+        when the caller made them once for several picks."""
         model = self.loop.model
         ids = model.draft_to_target if model.maps_vocab else None
         vocab = self.target.config.vocab_size
 
         def pick(logits: torch.Tensor) -> torch.Tensor:
             greedy = model.draft_to_target[greedy_tokens(logits)] if model.maps_vocab else greedy_tokens(logits)
-            drawn = sample_rows(logits, sp.settings(logits.shape[-1]), stream_keys(sp.seeds, draw), ids, vocab)
+            settings = st if st is not None else sp.settings(logits.shape[-1])
+            drawn = sample_rows(logits, settings, stream_keys(sp.seeds, draw), ids, vocab)
             return torch.where(sp.sampled.bool(), drawn, greedy)
 
         return pick
@@ -166,7 +169,8 @@ class EagleChainStep(StepKind):
         dev = s.roots.device
         sp = s.sampling
         # draft: the chain, root first [B, W]; a sampled chain's position j + 1 draws with output draw draws + j
-        pick = None if sp is None else (lambda j, logits: self._draft_pick(sp, sp.draws + j)(logits))
+        draft_st = None if sp is None else sp.settings(self.loop.model.vocab_size)  # once for every draft pick
+        pick = None if sp is None else (lambda j, logits: self._draft_pick(sp, sp.draws + j, draft_st)(logits))
         tokens = self.loop.body(DraftLoopBatch(s.roots, s.first, s.hidden, s.base, s.block_tables, [0] * n),
                                  graph=True, pick=pick)
         # verify: W rows per request at base .. base + W - 1, every row's logits and aux hidden states
@@ -200,7 +204,7 @@ class EagleChainStep(StepKind):
         first = ext.first
         if sp is not None:  # the next step's first draft draws with the next output token's noise
             sp.draws.copy_(torch.where(live & sp.sampled.bool(), sp.draws + k + 1, sp.draws))
-            first = self._draft_pick(sp, sp.draws)(ext.logits)
+            first = self._draft_pick(sp, sp.draws, draft_st)(ext.logits)
         s.roots.copy_(torch.where(live, bonus, s.roots))
         s.first.copy_(first)
         s.hidden.copy_(ext.hidden)
