@@ -5,6 +5,8 @@
 #   STEP=bench          benchmarks/spec_rounds.py: every configuration in interleaved rounds
 #   STEP=bench SHAPE=llama8b SKIP=1 NAME=llama8b   the 8B shape alone (random weights, random EAGLE-3 head)
 #   STEP=memcheck       compute-sanitizer memcheck over benchmarks/spec_memcheck.py (all five algorithms)
+#   STEP=serve          `tercel serve` (default speculation, then plain) under `tercel bench serve` at RATES
+#                       (carry .carry/whl .carry/whlserve: fastapi, uvicorn, pydantic, xgrammar are not installed there)
 # Logs and results land in $OUT as they are written, so a cut call still returns them.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -21,6 +23,9 @@ if [ ! -f $M ]; then
   cat /tmp/smol/smolpart* > $M && echo "a1231443440b107ff29f02bdb38c9d0a  $M" | md5sum -c || exit 3
 fi
 [ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/whl/*.whl || exit 4
+if [ -d .carry/whlserve ] && [ ! -d /tmp/site/fastapi ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/whlserve/*.whl || exit 4
+fi
 export PYTHONPATH=.:/tmp/site TERCEL_SMOL_GGUF=$M TERCEL_RESULTS_DIR=$OUT
 case "$STEP" in
 tests)
@@ -33,4 +38,14 @@ bench)
     ${CONFIGS:+--configs $CONFIGS} --concurrency ${CONC:-1,16,64} \
     --out $OUT/spec_rounds_${NAME:-smollm2}_h200_${TERCEL_COMMIT}.json 2>&1 | tee $OUT/spec_rounds_${NAME:-smollm2}.log \
     | tail -60 ;;
+serve)
+  for label in ${LABELS:-adaptive plain}; do
+    flags=""; [ "$label" = plain ] && flags="--speculative-algorithm NONE"
+    python3 -m tercel serve --model $M --port 30000 $flags > $OUT/serve_${label}.log 2>&1 &
+    srv=$!
+    timeout ${SERVE_S:-240} python3 -m tercel bench serve --ready-timeout 180 --request-rate ${RATES:-4,16,inf} \
+      --num-prompts ${PROMPTS:-128} --max-tokens 256 --label ${label} --output-dir $OUT \
+      --name bench_serve_smollm2_h200_${label}_${TERCEL_COMMIT} 2>&1 | tail -30
+    kill $srv; wait $srv 2>/dev/null
+  done ;;
 esac
