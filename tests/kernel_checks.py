@@ -395,6 +395,16 @@ def check_race(device: str, dtype: torch.dtype) -> None:
         ids = torch.argsort(torch.rand(b, v, generator=g), -1).to(device)
         want = ids.gather(1, race(probs, draw_noise(keys, v, probs.device).gather(1, ids))[:, None])[:, 0]
         assert torch.equal(race_rows(probs, keys, ids), want), (b, v, dtype, "ids")
+    # a NaN row (a graph's padding row divided by a zeroed temperature) names a column inside the row, ids or not;
+    # the kernel once named one past it (an illegal address on the H200, a ValueError in the interpreter)
+    for v in (2 * BLOCK - 700, 49152):
+        probs = torch.rand(2, v, generator=g).to(device)
+        probs[1] = float("nan")
+        keys = torch.tensor([5, 6], device=device)
+        ids = torch.arange(v, device=device).flip(0).expand(2, -1).contiguous()
+        for got in (race_rows(probs, keys), race_rows(probs, keys, ids)):
+            assert 0 <= int(got[1]) < v, (v, got)
+        assert int(race_rows(probs, keys)[0]) == int(race(probs[:1], draw_noise(keys[:1], v, probs.device))[0])
     logits = (torch.randn(5, 3000, generator=g) * 4).to(device)
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=50),
               SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.3, min_p=0.05),

@@ -45,11 +45,12 @@ def _race_slices_kernel(P, IDS, KEYS, PV, PI, stride_p, stride_ids, n_cols, num_
     u = ((bits >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2 ** -53
     e = (-tl.log(u)).to(tl.float32)
     score = tl.math.div_rn(p, e)
-    score = tl.where(inside, score, float("-inf"))
+    # NaN (a padding row's 0 / 0) scores -inf: argmax over NaN is undefined and could name a column past n_cols
+    score = tl.where(inside & (score == score), score, float("-inf"))
     m = tl.max(score, 0)
     i = tl.argmax(score, 0, tie_break_left=True)
     tl.store(PV + row * num_slices + s, m)
-    tl.store(PI + row * num_slices + s, s * BLOCK + i)
+    tl.store(PI + row * num_slices + s, tl.minimum(s * BLOCK + i, n_cols - 1))
 
 
 @triton.jit
@@ -57,7 +58,7 @@ def _race_pick_kernel(PV, PI, IDS, OUT, stride_ids, num_slices, HAS_IDS: tl.cons
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, SLICES_PAD)
     v = tl.load(PV + row * num_slices + s, mask=s < num_slices, other=float("-inf"))
-    j = tl.argmax(v, 0, tie_break_left=True)
+    j = tl.minimum(tl.argmax(v, 0, tie_break_left=True), num_slices - 1)  # never a padding slice
     col = tl.load(PI + row * num_slices + j).to(tl.int64)
     if HAS_IDS:
         col = tl.load(IDS + row * stride_ids + col).to(tl.int64)

@@ -67,7 +67,9 @@ class ChainSampling:
         def rep(t: torch.Tensor) -> torch.Tensor:
             return t if repeat == 1 else t.repeat_interleave(repeat)
 
-        return SamplingTensors(rep(self.temperature), rep(self.top_k.clamp(1, vocab)), rep(self.top_p),
+        # a padding row's zeroed temperature would make its logits / T all NaN: it divides by 1 instead
+        temperature = torch.where(self.temperature > 0, self.temperature, torch.ones_like(self.temperature))
+        return SamplingTensors(rep(temperature), rep(self.top_k.clamp(1, vocab)), rep(self.top_p),
                                rep(self.min_p), True, True, True)
 
 
