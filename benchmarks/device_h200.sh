@@ -43,7 +43,12 @@ serve)
     flags=""; [ "$label" = plain ] && flags="--speculative-algorithm NONE"
     python3 -m tercel serve --model $M --port 30000 $flags > $OUT/serve_${label}.log 2>&1 &
     srv=$!
-    timeout ${SERVE_S:-240} python3 -m tercel bench serve --ready-timeout 180 --request-rate ${RATES:-4,16,inf} \
+    for _ in $(seq 240); do  # ready, or the server died (its log says why)
+      kill -0 $srv 2>/dev/null || { echo "tercel serve ($label) exited:"; tail -5 $OUT/serve_${label}.log; exit 5; }
+      python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:30000/health', timeout=1)" 2>/dev/null && break
+      sleep 1
+    done
+    timeout ${SERVE_S:-240} python3 -m tercel bench serve --ready-timeout 5 --request-rate ${RATES:-4,16,inf} \
       --num-prompts ${PROMPTS:-128} --max-tokens 256 --label ${label} --output-dir $OUT \
       --name bench_serve_smollm2_h200_${label}_${TERCEL_COMMIT} 2>&1 | tail -30
     kill $srv; wait $srv 2>/dev/null
