@@ -5,7 +5,7 @@
 #   STEP=bench          benchmarks/spec_rounds.py: every configuration in interleaved rounds
 #   STEP=bench SHAPE=llama8b SKIP=1 NAME=llama8b   the 8B shape alone (random weights, random EAGLE-3 head)
 #   STEP=memcheck       compute-sanitizer memcheck over benchmarks/spec_memcheck.py (all five algorithms)
-#   STEP=serve          `tercel serve` (default speculation, then plain) under `tercel bench serve` at RATES
+#   STEP=serve          `tercel serve` (EAGLE-3, adaptive by default, then plain) under `tercel bench serve` at RATES
 #                       (carry .carry/whl .carry/whlserve: fastapi, uvicorn, pydantic, xgrammar are not installed there)
 # Logs and results land in $OUT as they are written, so a cut call still returns them.
 set -uo pipefail
@@ -39,8 +39,10 @@ bench)
     --out $OUT/spec_rounds_${NAME:-smollm2}_h200_${TERCEL_COMMIT}.json 2>&1 | tee $OUT/spec_rounds_${NAME:-smollm2}.log \
     | tail -60 ;;
 serve)
-  for label in ${LABELS:-adaptive plain}; do
-    flags=""; [ "$label" = plain ] && flags="--speculative-algorithm NONE"
+  for label in ${LABELS:-eagle3 plain}; do
+    # this GGUF is not the installed default model, so AUTO would find no bundled draft: name it
+    flags="--speculative-algorithm EAGLE3 --speculative-draft-model-path tercel/drafts/smollm2-eagle3"
+    [ "$label" = plain ] && flags="--speculative-algorithm NONE"
     python3 -m tercel serve --model $M --port 30000 $flags > $OUT/serve_${label}.log 2>&1 &
     srv=$!
     for _ in $(seq 240); do  # ready, or the server died (its log says why)
