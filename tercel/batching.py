@@ -113,6 +113,18 @@ def context_slots(reqs: Sequence[Request], lengths: Sequence[int], block_size: i
     return torch.where(valid, slots, 0), valid
 
 
+def device_context_slots(block_tables: torch.Tensor, lengths: torch.Tensor, width: int,
+                         block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """context_slots from tensors on the device (graph-safe): the slots [B, width] of positions 0 .. width - 1
+    through the block tables [B, cols], slot 0 (the dummy slot) at and past each request's length, and
+    which are valid (< lengths [B])."""
+    pos = torch.arange(width, device=lengths.device)
+    valid = pos[None, :] < lengths[:, None]
+    cols = (pos // block_size).clamp(max=block_tables.shape[1] - 1)
+    slots = block_tables[:, cols] * block_size + pos % block_size
+    return torch.where(valid, slots, torch.zeros_like(slots)), valid
+
+
 def step_batch(scheduled: Sequence[ScheduledRequest], block_size: int,
                upload: Upload) -> tuple[ForwardBatch, list[ScheduledRequest]]:
     """One forward over each request's next `num_tokens` (a prefill chunk or a decode token): the batch,

@@ -36,6 +36,8 @@ class StepKey:
 DECODE = StepKey("decode")  # the target, one token per request (plain decode, decode windows)
 DRAFT = StepKey("draft")  # EAGLE's greedy chain draft loop
 DRAFT_EXTEND = StepKey("draft_extend")  # EAGLE's draft over the accepted rows
+DRAFT_TREE = StepKey("draft_tree")  # EAGLE's top-k tree draft loop (every draft step, the candidates)
+DRAFT_BLOCK = StepKey("draft_block")  # DFlash's block forward (the drafts' logits of DDTREE / unchained DFLASH)
 CHAIN = StepKey("chain")  # draft, verify, accept and draft_extend as one chained EAGLE step
 CHAIN_SAMPLED = StepKey("chain_sampled")  # the same for batches with sampled (T > 0) requests
 

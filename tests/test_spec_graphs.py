@@ -83,8 +83,8 @@ def plain(smol_llm, prompts):
 
 def _replays(llm) -> int:
     spec = llm.engine.spec
-    runners = [spec.verify_runner, getattr(spec.drafter, "loop_runner", None),
-               getattr(spec.drafter, "extend_runner", None), spec.chain.runner if spec.chain else None]
+    runners = [spec.verify_runner, spec.chain.runner if spec.chain else None] + [
+        getattr(spec.drafter, f"{kind}_runner", None) for kind in ("loop", "tree", "extend", "block")]
     return sum(r.stats.replays for r in runners if r is not None)
 
 
@@ -100,6 +100,37 @@ def test_graph_mode_equals_eager_and_plain(smol_llm, prompts, plain, name):
         assert g == e == plain[:len(batch)]
     assert _replays(graph) > 0 and graph.engine.spec.verify_runner.stats.eager == 0
     assert graph.engine.stats().kv_blocks_used == 0
+    if name in ("eagle3-tree", "ddtree"):  # the whole tree draft loop / the block forward replays
+        drafts = getattr(graph.engine.spec.drafter, "tree_runner" if name == "eagle3-tree" else "block_runner")
+        assert drafts.stats.replays > 0 and drafts.stats.eager == 0, dict(drafts.stats.fallbacks)
+
+
+def test_the_tree_draft_step_replays_what_it_computes_eagerly(smol_llm, prompts):
+    """The captured tree draft loop (prefix padded to the block tables' capacity) gives the eager loop's
+    candidates (the batch's own prefix): the same tokens and parents, the same scores, for requests of
+    different lengths and a padded bucket."""
+    from tercel.executor import DRAFT_TREE
+    from tercel.speculative.eagle_tree_step import TreeDraftBatch
+
+    llm = spec_llm(smol_llm, **GRAPHS, cuda_graph_bs=[4], **ALGOS["eagle3-tree"])
+    eng, drafter = llm.engine, llm.engine.spec.drafter
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    reqs = [eng.requests[eng.add_request(p, params)] for p in prompts]
+    while not all(drafter.ready(r) for r in reqs):  # prefill: each request's draft state after its prompt
+        eng.step()
+    base = [r.num_computed_tokens for r in reqs]
+    cols = -(-max(base) // eng.kv.block_size)
+    tables = torch.tensor([r.block_table[:cols] + [0] * (cols - len(r.block_table[:cols])) for r in reqs])
+    batch = TreeDraftBatch(torch.stack([r.spec_state.logits for r in reqs]),
+                           torch.stack([r.spec_state.hidden for r in reqs]), torch.tensor(base), tables)
+    replays = drafter.tree_runner.stats.replays
+    with torch.inference_mode():  # as the engine runs its steps
+        want = drafter.tree_step.eager(batch, max(base))
+        got = eng.executor.run(DRAFT_TREE, batch)
+    assert drafter.tree_runner.stats.replays == replays + 1
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
+    torch.testing.assert_close(got.scores, want.scores, rtol=1e-5, atol=1e-6)
+    assert got.tokens.shape == (3, 4 + 4 * 4 * (drafter.num_steps - 1))
 
 
 @pytest.mark.parametrize("name,kw", [
@@ -216,3 +247,31 @@ def test_chained_eagle_steps_equal_plain(smol_llm, prompts, plain, overlap):
     assert llm.engine.stats().kv_blocks_used == 0
     # a batch of one after the batch of three: the chain restarts from the request's own draft state
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params[0])] == [plain[0]]
+
+
+def test_the_dflash_block_step_replays_what_it_computes_eagerly(smol_llm, prompts):
+    """DDTREE's captured block forward (the context padded to the block tables' capacity) gives the eager
+    forward's logits (the batch's own context), for requests of different lengths and a padded bucket."""
+    from tercel.executor import DRAFT_BLOCK
+    from tercel.speculative.dflash_block_step import BlockBatch
+
+    llm = spec_llm(smol_llm, **GRAPHS, cuda_graph_bs=[4], **ALGOS["ddtree"])
+    eng, drafter = llm.engine, llm.engine.spec.drafter
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    reqs = [eng.requests[eng.add_request(p, params)] for p in prompts]
+    while not all(r.num_computed_tokens > 0 and drafter.ready(r) for r in reqs):  # prefill, context injected
+        eng.step()
+    base = [r.num_computed_tokens for r in reqs]
+    cols = -(-max(base) // eng.kv.block_size)
+    tables = torch.tensor([r.block_table[:cols] + [0] * (cols - len(r.block_table[:cols])) for r in reqs])
+    roots = torch.tensor([(r.output_token_ids or r.prompt_token_ids)[-1] for r in reqs])
+    block_lens = torch.tensor([drafter.block_size, 3, drafter.block_size])  # one block cut short
+    batch = BlockBatch(roots, torch.tensor(base), tables, block_lens)
+    replays = drafter.block_runner.stats.replays
+    with torch.inference_mode():
+        want = drafter.block_step.eager(batch).clone()
+        got = eng.executor.run(DRAFT_BLOCK, batch)
+    assert drafter.block_runner.stats.replays == replays + 1
+    assert got.shape == (3, drafter.block_size - 1, eng.model_config.vocab_size)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -102,10 +102,12 @@ class DFlashAttention(nn.Module):
         b, s, _ = x.shape
         q = apply_rope(self.q_norm(self.q_proj(x).view(b * s, self.h, self.d)), cos, sin)
         k, v = self.kv(x.reshape(b * s, -1), cos, sin)
-        keys = torch.cat([ctx_k, k.view(b, s, self.hkv, self.d)], dim=1).transpose(1, 2)
-        values = torch.cat([ctx_v, v.view(b, s, self.hkv, self.d)], dim=1).transpose(1, 2)
+        # the block's keys first: a context padded past its length (a graph's) is a masked tail, so the real
+        # keys fall in the same places whatever the padding
+        keys = torch.cat([k.view(b, s, self.hkv, self.d), ctx_k], dim=1).transpose(1, 2)
+        values = torch.cat([v.view(b, s, self.hkv, self.d), ctx_v], dim=1).transpose(1, 2)
         block_mask = ctx_mask.new_ones(b, s) if block_mask is None else block_mask
-        mask = torch.cat([ctx_mask, block_mask], dim=1)[:, None, None, :]  # non-causal block
+        mask = torch.cat([block_mask, ctx_mask], dim=1)[:, None, None, :]  # non-causal block
         out = sdpa(q.view(b, s, self.h, self.d).transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 

@@ -18,13 +18,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batching import RowSpan, build_batch, context_slots
+from ..batching import RowSpan, blocks_covering, build_batch, padded_tables
+from ..executor import DRAFT_BLOCK
 from ..forward_batch import CaptureHiddenMode
+from ..graphs.runner import CudaGraphRunner, GraphConfig
 from ..kv import PagedKVCache
 from ..loader.drafts import load_dflash
 from ..models.dflash import DFlashDraftModel
 from ..request import Request
 from ..sampling import ahead_keys, draw_noise, filter_logits, race
+from .dflash_block_step import BlockBatch, DFlashBlockStep
 from .drafter import Drafter, ExtendedChunk
 from .host import SpecEngine
 from .tree import DraftTree
@@ -84,6 +87,10 @@ class DFlashDrafter(Drafter):
         # the draft's context cache mirrors the target pool slot for slot
         self.cache = PagedKVCache(draft.kv_spec(engine.kv.block_size, engine.dtype), engine.kv.num_blocks,
                                   engine.device)
+        # the block forward as a step kind: eager until init_graphs captures it
+        max_blocks = -(-(engine.config.max_model_len + block_size) // engine.kv.block_size) + 1
+        self.block_step = DFlashBlockStep(engine.draft_target, draft, self.cache, block_size, max_blocks)
+        engine.executor.register(DRAFT_BLOCK, self.block_step)
 
     @classmethod
     def load(cls, engine: SpecEngine, path, block_size: int | None, tree_budget: int | None) -> "DFlashDrafter":
@@ -137,6 +144,19 @@ class DFlashDrafter(Drafter):
             spans.append(RowSpan(r, base, len(nodes)))
         self._inject(rows, spans, hidden)
 
+    # ---- graphs ----------------------------------------------------------------------------
+    def init_graphs(self, config: GraphConfig, max_blocks: int) -> None:
+        """DDTREE: the block forward, every bucket. (DFLASH's batches take the chained step; one it cannot
+        serve runs the block eagerly, sparing every bucket a [B, S - 1, V] logits buffer.)"""
+        self.block_step.max_blocks = max_blocks
+        if self.tree_budget is not None:
+            self.engine.executor.register(DRAFT_BLOCK, self.block_step, config)
+
+    @property
+    def block_runner(self) -> CudaGraphRunner | None:
+        """The executor's block-forward runner (None: it runs eagerly)."""
+        return self.engine.executor.runner(DRAFT_BLOCK)
+
     # ---- the chained step (DFLASH, greedy) --------------------------------------------------
     def chain_step(self, max_blocks: int, sampled: bool = False):
         """DFLASH's step as one chained graph step (dflash_chain.py; sampled: for batches with sampled
@@ -159,32 +179,30 @@ class DFlashDrafter(Drafter):
     # ---- draft ---------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, reqs: list[Request]) -> list[DraftTree]:
-        eng, dev, s = self.engine, self.engine.device, self.block_size
-        ctx_lens = [r.num_computed_tokens for r in reqs]
-        kv_bs = eng.kv.block_size
-        # context slots from the block tables; padded positions read slot 0 and are masked out
-        ctx_slots, ctx_mask = context_slots(reqs, ctx_lens, kv_bs, "cpu")
-        block_ids = torch.full((len(reqs), s), self.mask_token_id, dtype=torch.long)
-        block_ids[:, 0] = torch.tensor([(r.output_token_ids or r.prompt_token_ids)[-1] for r in reqs])
-        positions = torch.tensor(ctx_lens)[:, None] + torch.arange(s)[None, :]
+        eng, s = self.engine, self.block_size
+        base = [r.num_computed_tokens for r in reqs]
+        roots = [(r.output_token_ids or r.prompt_token_ids)[-1] for r in reqs]
+        cols = blocks_covering(max(base), eng.kv.block_size)
         # no drafts past what a request may still generate: its block shrinks there, like the reference's
         # (the block is attended non-causally, so its length changes every draft)
         max_len = eng.config.max_model_len
         n_drafts = [max(1, min(s - 1, r.params.max_tokens - len(r.output_token_ids), max_len - r.num_tokens))
                     for r in reqs]
-        block_lens = None if min(n_drafts) == s - 1 else torch.tensor(n_drafts) + 1
-        target = eng.draft_target  # the target itself; tensor parallel: rank 0's whole copies
-        embeds = target.embed_tokens(block_ids.to(dev)) * self.draft.config.input_embedding_scale
-        hidden = self.draft(embeds, positions.to(dev), ctx_slots.to(dev), ctx_mask.to(dev), self.cache, block_lens)
-        logits = target.compute_logits(hidden[:, 1:]) * self.draft.config.output_multiplier  # [B, S-1, V]
+        t = eng.executor.upload([roots, base, padded_tables(reqs, cols), [n + 1 for n in n_drafts]])
+        batch = BlockBatch(t[0], t[1], t[2].view(len(reqs), cols), t[3])
+        logits = eng.executor.run(DRAFT_BLOCK, batch)  # [B, S - 1, V]: one replay where captured
+        if self.tree_budget is not None:  # every request's candidates in one copy back
+            lp_all, tk_all = (x.cpu() for x in logits.float().log_softmax(-1).topk(self.tree_topk, dim=-1))
+        greedy_all = logits.argmax(-1).tolist() if self.tree_budget is None and all(
+            r.params.greedy for r in reqs) else None
         trees = []
         for i, r in enumerate(reqs):
-            root, row = (r.output_token_ids or r.prompt_token_ids)[-1], logits[i, :n_drafts[i]]
+            root, n, row = roots[i], n_drafts[i], logits[i, :n_drafts[i]]
             if self.tree_budget is not None:
-                lp, tk = row.float().log_softmax(-1).topk(self.tree_topk, dim=-1)
-                trees.append(build_ddtree(lp.cpu(), tk.cpu(), root, self.tree_budget))
+                trees.append(build_ddtree(lp_all[i, :n], tk_all[i, :n], root, self.tree_budget))
             elif r.params.greedy:
-                trees.append(DraftTree.chain(root, row.argmax(-1).tolist()))
+                trees.append(DraftTree.chain(root, greedy_all[i][:n] if greedy_all is not None
+                                             else row.argmax(-1).tolist()))
             else:
                 # each draft raced against the noise the target's draw for that output token will use
                 q = filter_logits(row.float(), r.params).softmax(-1)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..batching import device_context_slots
 from ..forward_batch import CaptureHiddenMode, ForwardBatch
 from ..graphs.buffers import BufferSpec, Pad, Per
 from ..graphs.runner import StepKind
@@ -108,10 +109,7 @@ class DFlashChainStep(StepKind):
         # draft: the block [root, mask ...] over the whole context (slots past base masked out)
         ids = torch.where(j == 0, s.roots[:, None], torch.full_like(pos, cfg.mask_token_id))
         embeds = self.target.embed_tokens(ids) * cfg.input_embedding_scale
-        c = torch.arange(self.max_blocks * bs, device=dev)
-        ctx_mask = c[None, :] < s.base[:, None]
-        ctx_slots = torch.where(ctx_mask, s.block_tables[:, c // bs] * bs + c % bs, torch.zeros_like(ctx_mask,
-                                                                                                     dtype=torch.long))
+        ctx_slots, ctx_mask = device_context_slots(s.block_tables, s.base, self.max_blocks * bs, bs)
         hidden = self.draft(embeds, pos, ctx_slots, ctx_mask, self.cache)
         logits = self.target.compute_logits(hidden[:, 1:]) * cfg.output_multiplier  # [B, S - 1, V]
         flat = logits.reshape(n * (w - 1), -1)

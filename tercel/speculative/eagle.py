@@ -11,7 +11,8 @@ Draft loop for B requests, topk K, num_steps S: step 0 takes the top K of the st
 current leaves through the draft at once (one forward for the batch) and expands each into its top
 K children, keeping the K best by cumulative probability as the next leaves. The tokens of this
 phase never enter the paged cache: their K/V sit in a small dense scratch, attended through an
-ancestor mask. At the end the num_draft_tokens - 1 best candidates (plus the root) form the tree.
+ancestor mask (eagle_tree_step.py: one graph replay for the whole loop where captured). At the end the
+num_draft_tokens - 1 best candidates (plus the root) form the tree, re-ranked on the host.
 """
 from __future__ import annotations
 
@@ -23,9 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..attention.sdpa import sdpa
 from ..batching import RowSpan, blocks_covering, build_batch, context_slots, padded_tables
-from ..executor import DRAFT, DRAFT_EXTEND
+from ..executor import DRAFT, DRAFT_EXTEND, DRAFT_TREE
 from ..forward_batch import CaptureHiddenMode
 from ..graphs.runner import CudaGraphRunner, GraphConfig
 from ..kv import PagedKVCache
@@ -36,6 +36,7 @@ from ..request import Request
 from ..sampling import ahead_keys, draw_noise, filter_logits, race
 from .drafter import DeviceChains, Drafter, ExtendedChunk
 from .eagle_steps import DraftExtendBatch, DraftLoopBatch, EagleDraftLoopStep, EagleExtendStep
+from .eagle_tree_step import DraftAttention, EagleTreeDraftStep, TreeDraftBatch
 from .host import SpecEngine
 from .tree import DraftTree, select_tree_nodes
 from .verify import Accepted
@@ -52,49 +53,6 @@ class EagleState:
     hidden: torch.Tensor  # [H] draft pre-norm hidden at position valid_for - 1
     logits: torch.Tensor  # [Vd] draft logits there: the distribution of the token after the root
     first: torch.Tensor  # [] target id of their top-1: a greedy chain's first draft
-
-
-class _PrefixAttention:
-    """Attention for a padded batch [B, W] of new draft rows over (a) each request's paged draft KV at
-    positions < start (the prefix) and (b) a dense block of this phase's rows, under a block mask.
-    New K/V are written to `write_slots` of the paged cache (slot 0, the dummy block, for padding)
-    and/or kept in the dense block."""
-
-    def __init__(self, cache: PagedKVCache, prefix_slots: torch.Tensor, prefix_valid: torch.Tensor,
-                 block_capacity: int, scale: float) -> None:
-        self.cache = cache
-        self.prefix_slots, self.prefix_valid = prefix_slots, prefix_valid
-        self.b = prefix_slots.shape[0]
-        self.capacity = block_capacity
-        self.scale = scale
-        self.block_k: dict[int, torch.Tensor] = {}
-        self.block_v: dict[int, torch.Tensor] = {}
-        self.prefix_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # set per call by the owner:
-        self.entries: torch.Tensor | None = None  # [W] block indices the new rows take
-        self.mask: torch.Tensor | None = None  # [B, W, capacity] which block entries each new row sees
-        self.write_slots: torch.Tensor | None = None  # [B * W] paged slots to write, or None
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        b = self.b
-        w = q.shape[0] // b
-        if self.write_slots is not None:
-            self.cache.write(layer, self.write_slots, k, v)
-        if layer not in self.block_k:
-            shape = (b, self.capacity, k.shape[1], k.shape[2])
-            self.block_k[layer] = k.new_zeros(shape)
-            self.block_v[layer] = v.new_zeros(shape)
-            self.prefix_kv[layer] = (self.cache.k[layer][self.prefix_slots], self.cache.v[layer][self.prefix_slots])
-        bk, bv = self.block_k[layer], self.block_v[layer]
-        bk[:, self.entries] = k.view(b, w, *k.shape[1:])
-        bv[:, self.entries] = v.view(b, w, *v.shape[1:])
-        pk, pv = self.prefix_kv[layer]
-        keys = torch.cat([pk, bk], dim=1).transpose(1, 2)  # [B, Hkv, S + C, D]
-        values = torch.cat([pv, bv], dim=1).transpose(1, 2)
-        mask = torch.cat([self.prefix_valid[:, None, :].expand(b, w, -1), self.mask], dim=2)[:, None]
-        qb = q.view(b, w, q.shape[1], q.shape[2]).transpose(1, 2)  # [B, H, W, D]
-        out = sdpa(qb, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
-        return out.transpose(1, 2).reshape(b * w, -1)
 
 
 class EagleDrafter(Drafter):
@@ -132,8 +90,11 @@ class EagleDrafter(Drafter):
         self.max_blocks = -(-(engine.config.max_model_len + num_draft_tokens) // engine.kv.block_size) + 1
         self.loop_step = EagleDraftLoopStep(model, self.kv, backend, self.max_blocks, max_position, num_steps)
         self.extend_step = EagleExtendStep(model, self.kv, backend, self.max_blocks, max_position, num_draft_tokens)
+        self.tree_step = EagleTreeDraftStep(model, self.kv, backend, self.max_blocks, max_position, num_steps, topk,
+                                            self.scale)
         engine.executor.register(DRAFT, self.loop_step)
         engine.executor.register(DRAFT_EXTEND, self.extend_step)
+        engine.executor.register(DRAFT_TREE, self.tree_step)
 
     @classmethod
     def load(cls, engine: SpecEngine, cfg: "SpecConfig") -> "EagleDrafter":
@@ -175,7 +136,7 @@ class EagleDrafter(Drafter):
         for i, (toks, hid) in enumerate(zip(ids, hidden)):
             h[i, :len(toks)] = hid
         prefix_slots, prefix_valid = self._prefix(reqs, starts)
-        attn = _PrefixAttention(self.kv, prefix_slots, prefix_valid, width, self.scale)
+        attn = DraftAttention(self.kv, prefix_slots, prefix_valid, width, self.scale)
         attn.entries = torch.arange(width, device=dev)
         attn.mask = torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None].expand(b, -1, -1)
         attn.write_slots = torch.tensor(rows.slots, dtype=torch.long, device=dev)
@@ -225,15 +186,22 @@ class EagleDrafter(Drafter):
     # ---- graphs --------------------------------------------------------------------------
     def init_graphs(self, config: GraphConfig, max_blocks: int) -> None:
         self.max_blocks = max_blocks
-        self.loop_step.max_blocks = self.extend_step.max_blocks = max_blocks
+        self.loop_step.max_blocks = self.extend_step.max_blocks = self.tree_step.max_blocks = max_blocks
         self.engine.executor.register(DRAFT_EXTEND, self.extend_step, config)
-        if self.topk == 1:  # the draft loop's graph is the greedy chain's (trees draft on the host)
+        if self.topk == 1:  # the greedy chain's draft loop
             self.engine.executor.register(DRAFT, self.loop_step, config)
+        else:  # the tree's: every draft step in one replay (re-ranking into trees stays on the host)
+            self.engine.executor.register(DRAFT_TREE, self.tree_step, config)
 
     @property
     def loop_runner(self) -> CudaGraphRunner | None:
         """The executor's draft-loop runner (None: the loop runs eagerly)."""
         return self.engine.executor.runner(DRAFT)
+
+    @property
+    def tree_runner(self) -> CudaGraphRunner | None:
+        """The executor's tree draft-loop runner (None: the loop runs eagerly)."""
+        return self.engine.executor.runner(DRAFT_TREE)
 
     @property
     def extend_runner(self) -> CudaGraphRunner | None:
@@ -279,24 +247,21 @@ class EagleDrafter(Drafter):
         if self.topk == 1 and all(r.params.greedy and r.num_computed_tokens <= room for r in reqs):
             return self._propose_on_device(reqs)
         dev = self.engine.device
-        b, k, steps = len(reqs), self.topk, self.num_steps
+        k = self.topk
         base = [r.num_computed_tokens for r in reqs]
-        hidden0 = torch.stack([r.spec_state.hidden for r in reqs])
-        logits0 = torch.stack([r.spec_state.logits for r in reqs])
+        cols = blocks_covering(max(base), self.kv.block_size)
+        t = self.engine.executor.upload([base, padded_tables(reqs, cols)])
+        batch = TreeDraftBatch(torch.stack([r.spec_state.logits for r in reqs]),
+                               torch.stack([r.spec_state.hidden for r in reqs]), t[0], t[1].view(len(reqs), cols))
         sample_rows = [i for i, r in enumerate(reqs) if not r.params.greedy] if k == 1 else []
-        max_pos = self.engine.config.max_model_len - 1
-        cap = max(1, (steps - 1) * k)
-        prefix_slots, prefix_valid = self._prefix(reqs, base)
-        attn = _PrefixAttention(self.kv, prefix_slots, prefix_valid, cap, self.scale)
-        ancestors = torch.zeros(b, cap, cap, dtype=torch.bool, device=dev)
-
-        def pick(logits: torch.Tensor, ahead: int) -> tuple[torch.Tensor, torch.Tensor]:
-            """top-k (scores, draft ids) of [B, K', Vd] logits; a chain's sampling rows draw instead: q, the
-            request's own filters on the draft logits, raced against the noise the target's draw for the same
-            output token will use (`ahead` places on), so draft and target agree wherever q and p do."""
-            probs = logits.softmax(-1)
-            scores, idx = probs.topk(k, dim=-1)
-            if sample_rows:
+        if not sample_rows:  # the whole loop: one replay where captured
+            out = self.engine.executor.run(DRAFT_TREE, batch)
+        else:
+            def pick(logits: torch.Tensor, ahead: int) -> tuple[torch.Tensor, torch.Tensor]:
+                """top-k (scores, draft ids) of [B, K', Vd] logits; a chain's sampling rows draw instead: q, the
+                request's own filters on the draft logits, raced against the noise the target's draw for the
+                same output token will use (`ahead` places on), so draft and target agree wherever q and p do."""
+                scores, idx = logits.softmax(-1).topk(k, dim=-1)
                 groups: dict[tuple, list[int]] = {}
                 for i in sample_rows:
                     p = reqs[i].params
@@ -307,46 +272,12 @@ class EagleDrafter(Drafter):
                     keys = ahead_keys([reqs[i] for i in rows_], torch.full((len(rows_), 1), ahead, device=dev))
                     noise = draw_noise(keys[:, 0], self.vocab_size, dev).index_select(1, target_ids)
                     idx[rows_, 0, 0] = race(q_draft, noise)
-            return scores, idx
+                return scores, idx
 
-        scores, idx = pick(logits0[:, None], 0)  # [B, 1, K]
-        leaf_scores, leaf_ids = scores[:, 0], idx[:, 0]  # [B, K]
-        leaf_tokens = self._to_target(leaf_ids)
-        cand_tokens, cand_scores, cand_parents = [leaf_tokens], [leaf_scores], [torch.full((b, k), -1, device=dev)]
-        leaf_cand = torch.arange(k, device=dev).expand(b, k)
-        leaf_hidden = hidden0[:, None].expand(b, k, -1)
-        parent_entry = None
-        n_cand = k
-        for step in range(1, steps):
-            entries = torch.arange((step - 1) * k, step * k, device=dev)
-            rows = torch.arange(b, device=dev)[:, None]
-            if parent_entry is None:
-                ancestors[:, entries, entries] = True
-            else:
-                ancestors[:, entries] = ancestors[rows, parent_entry]
-                ancestors[:, entries, entries] = True
-            attn.entries, attn.mask, attn.write_slots = entries, ancestors[:, entries], None
-            pos = torch.tensor([min(p + step - 1, max_pos) for p in base], device=dev)[:, None].expand(b, k)
-            h_out = self.model(leaf_tokens.reshape(-1), leaf_hidden.reshape(b * k, -1), pos.reshape(-1), attn,
-                               from_target=False).view(b, k, -1)
-            logits = self.model.compute_logits(h_out)  # [B, K, Vd]
-            child_scores, child_ids = pick(logits, step)  # [B, K, K]
-            cum = (leaf_scores[:, :, None] * child_scores).view(b, k * k)
-            tokens = self._to_target(child_ids).view(b, k * k)
-            cand_tokens.append(tokens)
-            cand_scores.append(cum)
-            cand_parents.append(leaf_cand[:, :, None].expand(b, k, k).reshape(b, k * k))
-            best = cum.topk(k, dim=-1).indices  # [B, K]: the next leaves
-            parent_leaf = best // k
-            leaf_hidden = h_out[rows, parent_leaf]
-            parent_entry = entries[parent_leaf]
-            leaf_tokens = tokens.gather(1, best)
-            leaf_scores = cum.gather(1, best)
-            leaf_cand = n_cand + best
-            n_cand += k * k
-        all_tokens = torch.cat(cand_tokens, 1).tolist()
-        all_scores = torch.cat(cand_scores, 1).float().cpu()
-        all_parents = torch.cat(cand_parents, 1).cpu()
+            out = self.tree_step.eager(batch, max(base), pick)
+        all_tokens = out.tokens.tolist()
+        all_scores = out.scores.float().cpu()
+        all_parents = out.parents.cpu()
         trees = []
         for i, r in enumerate(reqs):
             root = r.prompt_token_ids[-1] if not r.output_token_ids else r.output_token_ids[-1]

@@ -1,0 +1,185 @@
+"""The EAGLE-2 tree draft loop (topk K > 1) as a step kind of the one graph runner: every draft step of a
+batch in one replay, the candidates' tokens, cumulative scores and parents left on the device for the host's
+re-ranking (tree.select_tree_nodes) after the step's one copy back.
+
+Static shapes: B requests x K leaves per step, S - 1 draft forwards. Each leaf attends over its request's
+paged draft KV at positions < base (the prefix) and over the loop's own earlier leaves (a dense scratch under
+an ancestor mask, never written to the paged cache). Under capture the prefix is every position the block
+table can hold (masked past base), so one graph serves every context length; eagerly it is the batch's
+longest prefix. The scratch comes first in the key order, so the real keys fall in the same places either
+way and the padding is a masked tail.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.sdpa import sdpa
+from ..batching import device_context_slots
+from ..forward_batch import CaptureHiddenMode
+from ..graphs.buffers import BufferSpec, Pad, Per
+from ..kv import PagedKVCache
+from ..models.eagle3 import EagleDraftModel
+from .eagle_steps import _DraftStep
+
+Pick = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(slots=True)
+class TreeDraftBatch:
+    """Inputs of the tree draft loop for B requests."""
+    logits: torch.Tensor  # [B, Vd] float32: the draft state's logits (the distribution after the root)
+    hidden: torch.Tensor  # [B, H] the draft's pre-norm hidden state at position base - 1
+    base: torch.Tensor  # [B] the root's position (num_computed_tokens): the prefix is positions < base
+    block_tables: torch.Tensor  # [B, width] zero-padded
+    capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
+
+    @property
+    def num_requests(self) -> int:
+        return self.base.shape[0]
+
+
+@dataclass(slots=True)
+class TreeCandidates:
+    """Every candidate of the loop, level by level (K, then K * K per further step): C = K + (S - 1) K^2."""
+    tokens: torch.Tensor  # [B, C] target ids
+    scores: torch.Tensor  # [B, C] cumulative draft probability
+    parents: torch.Tensor  # [B, C] the parent's candidate index (-1: the root)
+
+
+class DraftAttention:
+    """Attention of B x W new draft rows over (a) this loop's dense scratch of earlier leaves under an ancestor
+    mask and (b) each request's paged draft KV at the prefix slots. Keys are ordered scratch first, then the
+    prefix (a padded prefix is a masked tail). With write_slots the new K/V are also written to the paged cache
+    (draft_extend of prefill chunks; slot 0, the dummy block, for padding rows)."""
+
+    def __init__(self, cache: PagedKVCache, prefix_slots: torch.Tensor, prefix_valid: torch.Tensor,
+                 capacity: int, scale: float) -> None:
+        self.cache = cache
+        self.prefix_slots, self.prefix_valid = prefix_slots, prefix_valid
+        self.b = prefix_slots.shape[0]
+        self.capacity = capacity
+        self.scale = scale
+        self.block_k: dict[int, torch.Tensor] = {}
+        self.block_v: dict[int, torch.Tensor] = {}
+        self.prefix_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.entries: torch.Tensor | None = None  # [W] scratch entries the new rows take (set per step)
+        self.mask: torch.Tensor | None = None  # [B, W, capacity] which scratch entries each new row sees
+        self.write_slots: torch.Tensor | None = None  # [B * W] paged slots to write, or None
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b = self.b
+        w = q.shape[0] // b
+        if self.write_slots is not None:
+            self.cache.write(layer, self.write_slots, k, v)
+        if layer not in self.block_k:
+            shape = (b, self.capacity, k.shape[1], k.shape[2])
+            self.block_k[layer] = k.new_zeros(shape)
+            self.block_v[layer] = v.new_zeros(shape)
+            self.prefix_kv[layer] = (self.cache.k[layer][self.prefix_slots], self.cache.v[layer][self.prefix_slots])
+        bk, bv = self.block_k[layer], self.block_v[layer]
+        bk[:, self.entries] = k.view(b, w, *k.shape[1:])
+        bv[:, self.entries] = v.view(b, w, *v.shape[1:])
+        pk, pv = self.prefix_kv[layer]
+        keys = torch.cat([bk, pk], dim=1).transpose(1, 2)  # [B, Hkv, C + P, D]
+        values = torch.cat([bv, pv], dim=1).transpose(1, 2)
+        mask = torch.cat([self.mask, self.prefix_valid[:, None, :].expand(b, w, -1)], dim=2)[:, None]
+        qb = q.view(b, w, q.shape[1], q.shape[2]).transpose(1, 2)  # [B, H, W, D]
+        out = sdpa(qb, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b * w, -1)
+
+
+class EagleTreeDraftStep(_DraftStep):
+    name = "draft_tree"
+    tokens_per_request = 1
+
+    def __init__(self, model: EagleDraftModel, kv: PagedKVCache, backend, max_blocks: int, max_position: int,
+                 num_steps: int, topk: int, scale: float) -> None:
+        super().__init__(model, kv, backend, max_blocks, max_position)
+        self.num_steps, self.topk, self.scale = num_steps, topk, scale
+
+    def buffer_specs(self) -> list[BufferSpec]:
+        return [
+            BufferSpec("logits", Per.REQUEST, torch.float32, Pad.ZERO, shape=(self.model.vocab_size,)),
+            BufferSpec("hidden", Per.REQUEST, self.model.fc.weight.dtype, Pad.ZERO, shape=(self.model.hidden_size,)),
+            BufferSpec("base", Per.REQUEST, torch.long, Pad.ZERO),  # a padded request has no prefix
+            BufferSpec("block_tables", Per.REQUEST, torch.long, Pad.ZERO, shape=(self.max_blocks,)),
+        ]
+
+    def unsupported(self, batch: TreeDraftBatch) -> str | None:
+        if batch.logits.shape[1] != self.model.vocab_size:
+            return f"draft logits of width {batch.logits.shape[1]}, captured {self.model.vocab_size}"
+        return self._width_reason(batch.block_tables)
+
+    def live_inputs(self, batch: TreeDraftBatch) -> dict[str, torch.Tensor]:
+        return {"logits": batch.logits, "hidden": batch.hidden, "base": batch.base,
+                "block_tables": batch.block_tables}
+
+    def static_batch(self, views: dict[str, torch.Tensor], num_requests: int,
+                     mode: CaptureHiddenMode) -> TreeDraftBatch:
+        return TreeDraftBatch(views["logits"], views["hidden"], views["base"], views["block_tables"])
+
+    def forward(self, static: TreeDraftBatch) -> TreeCandidates:
+        return self.body(static, static.block_tables.shape[1] * self.kv.block_size)
+
+    def eager(self, batch: TreeDraftBatch, prefix_len: int | None = None,
+              pick: "Pick | None" = None) -> TreeCandidates:
+        """prefix_len: the batch's longest prefix (default: what its block tables hold); pick: see body."""
+        width = batch.block_tables.shape[1] * self.kv.block_size
+        return self.body(batch, width if prefix_len is None else prefix_len, pick)
+
+    def live_outputs(self, out: TreeCandidates, num_live: int, mode: CaptureHiddenMode) -> TreeCandidates:
+        return TreeCandidates(out.tokens[:num_live], out.scores[:num_live], out.parents[:num_live])
+
+    def body(self, b: TreeDraftBatch, prefix_len: int, pick: "Pick | None" = None) -> TreeCandidates:
+        """Step 0 takes the top K of the state's logits; each further step runs the K current leaves through
+        the draft at once and expands each into its top K children, keeping the K best by cumulative
+        probability as the next leaves. pick(logits [B, K', Vd], step): (scores, draft ids) [B, K', K] in
+        place of the top K (an unchained sampled chain draws its rows; eager only)."""
+        pick = pick or self._top_k
+        model, k, steps = self.model, self.topk, self.num_steps
+        n, dev = b.base.shape[0], b.base.device
+        cap = max(1, (steps - 1) * k)
+        prefix_slots, prefix_valid = device_context_slots(b.block_tables, b.base, prefix_len, self.kv.block_size)
+        attn = DraftAttention(self.kv, prefix_slots, prefix_valid, cap, self.scale)
+        ancestors = torch.zeros(n, cap, cap, dtype=torch.bool, device=dev)
+        rows = torch.arange(n, device=dev)[:, None]
+        leaf_scores, leaf_ids = (t[:, 0] for t in pick(b.logits[:, None], 0))  # [B, K]
+        leaf_tokens = self._to_target(leaf_ids)
+        cand_tokens, cand_scores = [leaf_tokens], [leaf_scores]
+        cand_parents = [torch.full((n, k), -1, dtype=torch.long, device=dev)]
+        leaf_cand = torch.arange(k, device=dev).expand(n, k)
+        leaf_hidden = b.hidden[:, None].expand(n, k, -1)
+        parent_entry = None
+        n_cand = k
+        for step in range(1, steps):
+            entries = torch.arange((step - 1) * k, step * k, device=dev)
+            if parent_entry is not None:
+                ancestors[:, entries] = ancestors[rows, parent_entry]
+            ancestors[:, entries, entries] = True
+            attn.entries, attn.mask = entries, ancestors[:, entries]
+            pos = (b.base + (step - 1)).clamp(max=self.max_position)[:, None].expand(n, k)
+            h_out = model(leaf_tokens.reshape(-1), leaf_hidden.reshape(n * k, -1), pos.reshape(-1), attn,
+                          from_target=False).view(n, k, -1)
+            child_scores, child_ids = pick(model.compute_logits(h_out), step)  # [B, K, K]
+            cum = (leaf_scores[:, :, None] * child_scores).view(n, k * k)
+            tokens = self._to_target(child_ids).view(n, k * k)
+            cand_tokens.append(tokens)
+            cand_scores.append(cum)
+            cand_parents.append(leaf_cand[:, :, None].expand(n, k, k).reshape(n, k * k))
+            best = cum.topk(k, dim=-1).indices  # [B, K]: the next leaves
+            leaf_hidden = h_out[rows, best // k]
+            parent_entry = entries[best // k]
+            leaf_tokens = tokens.gather(1, best)
+            leaf_scores = cum.gather(1, best)
+            leaf_cand = n_cand + best
+            n_cand += k * k
+        return TreeCandidates(torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1))
+
+    def _top_k(self, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return logits.softmax(-1).topk(self.topk, dim=-1)
+
+    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.draft_to_target[draft_ids] if self.model.maps_vocab else draft_ids
