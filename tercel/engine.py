@@ -279,7 +279,12 @@ class LLMEngine:
         from .speculative.adaptive import check_adaptive
 
         default_model = _is_default_model(loaded.path)
+        auto = (config.speculative.algorithm or "").upper() == "AUTO"
         sp = config.speculative = config.speculative.resolve_auto(default_model, self.device.type == "cpu")
+        if auto:  # say what AUTO chose: a server's log is where a user looks for it
+            log.info("speculative decoding (AUTO): %s", "EAGLE3 with the bundled head" if sp.algorithm else
+                     "off (AUTO speculates with the bundled head on the default model on the CPU; name "
+                     "--speculative-algorithm and a draft to speculate here)")
         self.spec = build_spec_worker(
             self, sp.algorithm, sp.draft_model_path, sp.num_steps, sp.eagle_topk, sp.num_draft_tokens,
             default_model=default_model, ddtree_budget=sp.ddtree_budget, token_map=sp.token_map,
