@@ -16,7 +16,7 @@ from spec_utils import spec_llm
 from tercel import SamplingParams
 from tercel.outputs import RequestMetrics
 from tercel.request import Request
-from tercel.speculative.tree import DraftTree
+from tercel.speculative.tree import DraftTree, select_tree_nodes
 from tercel.speculative.verify import accept_greedy_batched, accept_walk
 
 GRAPHS = dict(cuda_graph_backend="breakable-debug", max_model_len=320)
@@ -131,6 +131,10 @@ def test_the_tree_draft_step_replays_what_it_computes_eagerly(smol_llm, prompts)
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
     torch.testing.assert_close(got.scores, want.scores, rtol=1e-5, atol=1e-6)
     assert got.tokens.shape == (3, 4 + 4 * 4 * (drafter.num_steps - 1))
+    assert torch.equal(got.tree_tokens, want.tree_tokens) and torch.equal(got.tree_parents, want.tree_parents)
+    for i in range(3):  # re-ranked on the device as the host re-ranks
+        kept, parents = select_tree_nodes(got.scores[i].float(), got.parents[i], drafter.num_draft_tokens - 1)
+        assert got.tree_tokens[i].tolist() == got.tokens[i, kept].tolist() and got.tree_parents[i].tolist() == parents
 
 
 @pytest.mark.parametrize("name,kw", [

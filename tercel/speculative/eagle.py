@@ -38,7 +38,7 @@ from .drafter import DeviceChains, Drafter, ExtendedChunk
 from .eagle_steps import DraftExtendBatch, DraftLoopBatch, EagleDraftLoopStep, EagleExtendStep
 from .eagle_tree_step import DraftAttention, EagleTreeDraftStep, TreeDraftBatch
 from .host import SpecEngine
-from .tree import DraftTree, select_tree_nodes
+from .tree import DraftTree
 from .verify import Accepted
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class EagleDrafter(Drafter):
         self.loop_step = EagleDraftLoopStep(model, self.kv, backend, self.max_blocks, max_position, num_steps)
         self.extend_step = EagleExtendStep(model, self.kv, backend, self.max_blocks, max_position, num_draft_tokens)
         self.tree_step = EagleTreeDraftStep(model, self.kv, backend, self.max_blocks, max_position, num_steps, topk,
-                                            self.scale)
+                                            num_draft_tokens, self.scale)
         engine.executor.register(DRAFT, self.loop_step)
         engine.executor.register(DRAFT_EXTEND, self.extend_step)
         engine.executor.register(DRAFT_TREE, self.tree_step)
@@ -275,15 +275,7 @@ class EagleDrafter(Drafter):
                 return scores, idx
 
             out = self.tree_step.eager(batch, max(base), pick)
-        all_tokens = out.tokens.tolist()
-        all_scores = out.scores.float().cpu()
-        all_parents = out.parents.cpu()
-        trees = []
-        for i, r in enumerate(reqs):
-            root = r.prompt_token_ids[-1] if not r.output_token_ids else r.output_token_ids[-1]
-            if k == 1:
-                trees.append(DraftTree.chain(root, all_tokens[i]))
-                continue
-            kept, parents = select_tree_nodes(all_scores[i], all_parents[i], self.num_draft_tokens - 1)
-            trees.append(DraftTree([root] + [all_tokens[i][c] for c in kept], [-1] + parents))
-        return trees
+        # the re-ranked trees (a chain when topk is 1), in one copy back
+        tokens, parents = torch.stack([out.tree_tokens, out.tree_parents]).tolist()
+        roots = [r.prompt_token_ids[-1] if not r.output_token_ids else r.output_token_ids[-1] for r in reqs]
+        return [DraftTree([root] + tok, [-1] + par) for root, tok, par in zip(roots, tokens, parents)]

@@ -23,6 +23,7 @@ from ..graphs.buffers import BufferSpec, Pad, Per
 from ..kv import PagedKVCache
 from ..models.eagle3 import EagleDraftModel
 from .eagle_steps import _DraftStep
+from .tree import select_tree_nodes_batched
 
 Pick = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -43,10 +44,13 @@ class TreeDraftBatch:
 
 @dataclass(slots=True)
 class TreeCandidates:
-    """Every candidate of the loop, level by level (K, then K * K per further step): C = K + (S - 1) K^2."""
+    """Every candidate of the loop, level by level (K, then K * K per further step): C = K + (S - 1) K^2, and
+    the tree of the num_draft_tokens - 1 best (EAGLE-2 re-ranking, tree.select_tree_nodes_batched)."""
     tokens: torch.Tensor  # [B, C] target ids
     scores: torch.Tensor  # [B, C] cumulative draft probability
     parents: torch.Tensor  # [B, C] the parent's candidate index (-1: the root)
+    tree_tokens: torch.Tensor  # [B, N - 1] the kept candidates' target ids (parents before children)
+    tree_parents: torch.Tensor  # [B, N - 1] their parents as node ids (0: the root)
 
 
 class DraftAttention:
@@ -96,9 +100,10 @@ class EagleTreeDraftStep(_DraftStep):
     tokens_per_request = 1
 
     def __init__(self, model: EagleDraftModel, kv: PagedKVCache, backend, max_blocks: int, max_position: int,
-                 num_steps: int, topk: int, scale: float) -> None:
+                 num_steps: int, topk: int, num_draft_tokens: int, scale: float) -> None:
         super().__init__(model, kv, backend, max_blocks, max_position)
         self.num_steps, self.topk, self.scale = num_steps, topk, scale
+        self.num_nodes = num_draft_tokens - 1  # drafts kept in the tree (the root is the request's last token)
 
     def buffer_specs(self) -> list[BufferSpec]:
         return [
@@ -131,7 +136,8 @@ class EagleTreeDraftStep(_DraftStep):
         return self.body(batch, width if prefix_len is None else prefix_len, pick)
 
     def live_outputs(self, out: TreeCandidates, num_live: int, mode: CaptureHiddenMode) -> TreeCandidates:
-        return TreeCandidates(out.tokens[:num_live], out.scores[:num_live], out.parents[:num_live])
+        return TreeCandidates(*(t[:num_live] for t in (out.tokens, out.scores, out.parents, out.tree_tokens,
+                                                        out.tree_parents)))
 
     def body(self, b: TreeDraftBatch, prefix_len: int, pick: "Pick | None" = None) -> TreeCandidates:
         """Step 0 takes the top K of the state's logits; each further step runs the K current leaves through
@@ -176,7 +182,9 @@ class EagleTreeDraftStep(_DraftStep):
             leaf_scores = cum.gather(1, best)
             leaf_cand = n_cand + best
             n_cand += k * k
-        return TreeCandidates(torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1))
+        tokens, scores, parents = torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1)
+        kept, tree_parents = select_tree_nodes_batched(scores.float(), parents, min(self.num_nodes, scores.shape[1]))
+        return TreeCandidates(tokens, scores, parents, tokens.gather(1, kept), tree_parents)
 
     def _top_k(self, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return logits.softmax(-1).topk(self.topk, dim=-1)

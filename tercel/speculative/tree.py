@@ -87,3 +87,17 @@ def select_tree_nodes(scores: torch.Tensor, parents: torch.Tensor, num_nodes: in
         p = par[c]
         tree_parents.append(0 if p < 0 else node_of[p])  # KeyError here would mean a broken score order
     return kept, tree_parents
+
+
+def select_tree_nodes_batched(scores: torch.Tensor, parents: torch.Tensor,
+                              num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_tree_nodes for a batch, on the device and with static shapes (graph-safe): scores / parents
+    [B, C] -> (kept [B, num_nodes] candidate indices in ascending order, their tree parents [B, num_nodes]
+    as node ids, 0 = the root). The same stable descending order as the host's, so the same trees."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :num_nodes]
+    kept = torch.sort(order, dim=-1).values
+    b, c = scores.shape
+    node_of = torch.zeros(b, c, dtype=torch.long, device=scores.device)
+    node_of.scatter_(1, kept, torch.arange(1, num_nodes + 1, device=scores.device).expand(b, -1))
+    par = parents.gather(1, kept)
+    return kept, torch.where(par < 0, torch.zeros_like(par), node_of.gather(1, par.clamp(min=0)))

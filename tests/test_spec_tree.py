@@ -1,0 +1,40 @@
+"""EAGLE-2 re-ranking on the device (tree.select_tree_nodes_batched) against the host's select_tree_nodes:
+the same kept candidates and the same tree, for candidate sets built as the draft loop builds them, ties
+included (quantized probabilities make equal cumulative scores common)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tercel.speculative.tree import DraftTree, select_tree_nodes, select_tree_nodes_batched
+
+
+def _candidates(g: torch.Generator, b: int, k: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores / parents [B, C] as EagleTreeDraftStep lays them out: K roots' children, then K * K per step,
+    each the child of one of the previous step's K best."""
+    def probs(*shape):  # multiples of 1/8: ties between siblings and cousins
+        return (torch.randint(1, 9, shape, generator=g) / 8.0).sort(dim=-1, descending=True).values
+
+    leaf_scores = probs(b, k)
+    scores, parents = [leaf_scores], [torch.full((b, k), -1)]
+    leaf_cand, n_cand = torch.arange(k).expand(b, k), k
+    for _ in range(1, steps):
+        cum = (leaf_scores[:, :, None] * probs(b, k, k)).view(b, k * k)
+        scores.append(cum)
+        parents.append(leaf_cand[:, :, None].expand(b, k, k).reshape(b, k * k))
+        best = cum.topk(k, dim=-1).indices
+        leaf_scores, leaf_cand = cum.gather(1, best), n_cand + best
+        n_cand += k * k
+    return torch.cat(scores, 1), torch.cat(parents, 1)
+
+
+@pytest.mark.parametrize("k,steps,nodes", [(4, 4, 15), (2, 5, 8), (3, 3, 30), (1, 5, 5), (4, 2, 1)])
+def test_batched_re_ranking_keeps_the_hosts_tree(k, steps, nodes):
+    g = torch.Generator().manual_seed(k * 100 + steps)
+    scores, parents = _candidates(g, 16, k, steps)
+    nodes = min(nodes, scores.shape[1])
+    kept, tree_parents = select_tree_nodes_batched(scores, parents, nodes)
+    for i in range(scores.shape[0]):
+        want_kept, want_parents = select_tree_nodes(scores[i], parents[i], nodes)
+        assert kept[i].tolist() == want_kept and tree_parents[i].tolist() == want_parents, i
+        DraftTree([0] + kept[i].tolist(), [-1] + tree_parents[i].tolist())  # a valid tree: parents come first
