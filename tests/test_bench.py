@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ import pytest
 from server_harness import REPO, ServerProcess, tiny_server_args
 
 from tercel.bench.environment import command_line
-from tercel.bench.offline import stats_delta, stats_snapshot
+from tercel.bench.offline import PassResult, RoundsPoint, stats_delta, stats_snapshot
 from tercel.bench.report import percentile
 from tercel.speculative.worker import SpecStats
 
@@ -68,6 +69,26 @@ def test_spec_stats_delta_reads_every_counter_and_histogram():
     d = stats_delta(before, stats_snapshot(s))
     assert d == {"verify_steps": 2, "draft_tokens": 8, "accepted_tokens": 3, "accept_histogram": [1, 0, 0, 1],
                  "width_histogram": {}, "plain_window_steps": 0}
+
+
+def test_rounds_point_takes_the_median_round_and_the_median_paired_ratio():
+    warm = PassResult(wall_s=1.0, output_tokens=10, tok_s=10.0)
+    p = RoundsPoint("NGRAM", 1, 8, warm, warm)
+    for tok_s, plain in ((30.0, 20.0), (12.0, 10.0), (50.0, 25.0), (40.0, None)):  # the last round: no plain
+        p.add_round(PassResult(wall_s=1.0, output_tokens=int(tok_s), tok_s=tok_s), plain)
+    assert p.second.tok_s == 30.0  # the lower middle of 12, 30, 40, 50: a measured pass
+    assert p.round_speedups == [1.5, 1.2, 2.0, None]
+    assert p.median_speedup() == 1.5  # an unpaired round has no ratio
+    assert p.first is warm
+
+
+def test_rounds_without_plain_fail_at_once(tmp_path):
+    start = time.perf_counter()
+    r = bench("offline", "--algorithms", "NGRAM", "--rounds", "2", "--no-plots", timeout=120, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: --rounds 2") and "--algorithms NGRAM" in r.stderr and "NONE" in r.stderr
+    assert time.perf_counter() - start < 10, "checked before any model loads"
+    assert not list(tmp_path.iterdir()), "nothing is written"
 
 
 def test_bad_flags_fail_fast_with_one_line():
@@ -158,6 +179,7 @@ def test_offline_random_shape_with_hf_peer(tmp_path):
     assert res["model"].startswith("llama-tiny shape, random weights") and "token ids" in res["prompts"]
     (p,) = res["points"]
     assert p["second"]["output_tokens"] == 6 and p["token_id"] is None
+    assert "method" not in d and "rounds" not in p and d["config"]["rounds"] == 1  # --rounds 1: the file as before
     peers = {row["config"]: row for row in res["hf_peers"]}
     assert set(peers) == {"eager", "prompt_lookup"}  # static cache + compile is CUDA only
     for row in peers.values():
@@ -165,6 +187,38 @@ def test_offline_random_shape_with_hf_peer(tmp_path):
         assert row["tok_s"] > 0 and row["output_len"] == 6
         assert row["tercel_speedup"]["NONE"] == pytest.approx(p["second"]["tok_s"] / row["tok_s"], rel=0.02)
     assert d["files"] == {} and not list(tmp_path.glob("*.png"))
+
+
+def test_offline_rounds_pair_every_pass_with_plain(tmp_path):
+    """--rounds 3: a warm-up pass, then 3 rounds of (plain, NGRAM) pairs; the speed-up is the median of the
+    per-round ratios, `second` the median round."""
+    r = bench("offline", "--model", "llama-tiny", "--algorithms", "NONE,NGRAM", "--concurrency", "1,2",
+              "--output-len", "6", "--rounds", "3", "--speculative-adaptive", "off", "--kv-cache-memory", "16000000",
+              "--no-hf-peers", "--no-plots", "--out-dir", str(tmp_path), "--name", "rounds")
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads((tmp_path / "rounds.json").read_text())
+    assert d["complete"] is True and d["config"]["rounds"] == 3 and "3 interleaved rounds" in d["method"]
+    res = d["result"]
+    assert res["engine_errors"] == {} and res["point_errors"] == []
+    points = {(p["algorithm"], p["concurrency"]): p for p in res["points"]}
+    assert sorted(points) == [("NGRAM", 1), ("NGRAM", 2), ("NONE", 1), ("NONE", 2)]
+    for (algo, c), p in points.items():
+        assert len(p["rounds"]) == len(p["paired_plain_tok_s"]) == len(p["round_speedups"]) == 3
+        for run in (p["first"], *p["rounds"]):
+            assert run["output_tokens"] == 6 * c
+        tok_s = [run["tok_s"] for run in p["rounds"]]
+        assert p["second"] == p["rounds"][tok_s.index(sorted(tok_s)[1])]  # the median round
+        ratios = [t / b for t, b in zip(tok_s, p["paired_plain_tok_s"])]
+        assert p["round_speedups"] == pytest.approx(ratios, abs=1e-4)
+        assert p["speedup_over_plain"] == pytest.approx(statistics.median(ratios), abs=1e-3)
+        plain = points[("NONE", c)]
+        if algo == "NONE":  # one speculative algorithm: each round's plain is the pass paired with it
+            assert p["paired_plain_tok_s"] == tok_s and p["speedup_over_plain"] == 1.0
+        else:
+            assert p["paired_plain_tok_s"] == [run["tok_s"] for run in plain["rounds"]]
+            assert sum(run["spec_stats"]["verify_steps"] for run in p["rounds"]) > 0
+        assert p["roofline_fraction"] == pytest.approx(p["second"]["tok_s"] / p["weight_roofline_tok_s"], rel=0.01)
+    assert "NGRAM" in r.stdout  # the table reads the median round as the second pass
 
 
 # ---- serve --------------------------------------------------------------------------------------------------

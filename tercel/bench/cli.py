@@ -74,7 +74,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     modes = bench.add_subparsers(dest="bench_mode", required=True, parser_class=_OneLineErrors)
     off = modes.add_parser("offline", help="sweep algorithms x concurrency x output length (LLM.chat)",
                            description="Sweep algorithms x concurrency x output length on a model through LLM.chat; "
-                                       "each point runs twice (the first pass shows compile costs). Writes a table, "
+                                       "each point runs twice (the first pass shows compile costs; --rounds N: "
+                                       "interleaved rounds, each algorithm paired with a plain pass). Writes a table, "
                                        "a JSON and PNGs. Example: tercel bench offline --algorithms NONE,EAGLE3 "
                                        "--concurrency 1,16 --output-len 128")
     off.add_argument("--model", default=None,
@@ -92,6 +93,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="new tokens per request (default 128)")
     s.add_argument("--num-prompts", type=_positive, default=20,
                    help="held-out prompts used, cycled to fill each batch (default 20: all of them)")
+    s.add_argument("--rounds", type=_positive, default=1,
+                   help="interleaved rounds (default 1: every point twice, one engine at a time). N > 1: every "
+                        "engine built up front, a warm-up pass of every point, then N rounds in which each "
+                        "algorithm runs right after a plain pass of its own; the speed-up is the median over "
+                        "rounds of those paired ratios (needs NONE in --algorithms; 5 or more for a steady figure)")
     s.add_argument("--no-token-id-path", dest="token_id_path", action="store_false",
                    help="skip plain decoding's token-id pass (LLM.generate on token ids)")
     s.add_argument("--profile", choices=["off", "first", "all"], default="first",
@@ -198,6 +204,9 @@ def check_offline_args(args) -> str | None:
         return str(e)
     if len(set(args.algorithms)) != len(args.algorithms):
         return f"--algorithms {','.join(args.algorithms)} names one twice; list each once."
+    if args.rounds > 1 and "NONE" not in args.algorithms:
+        return (f"--rounds {args.rounds} pairs every algorithm with a plain pass, but --algorithms "
+                f"{','.join(args.algorithms)} has no NONE; add NONE or drop --rounds.")
     default_model = args.model is None
     for algo in args.algorithms:
         if algo == "NONE":
@@ -233,7 +242,7 @@ def offline_config(args):
                          engine=engine_kwargs(argparse.Namespace(**{k: v for k, v in vars(args).items()
                                                                     if not k.startswith("speculative_")})),
                          spec=spec, token_id_path=args.token_id_path, profile=args.profile,
-                         hf_peers=bool(args.hf_peers), hf_prompt_lookup=args.hf_prompt_lookup)
+                         hf_peers=bool(args.hf_peers), hf_prompt_lookup=args.hf_prompt_lookup, rounds=args.rounds)
 
 
 def _model_stem(model: str | None) -> str:
@@ -248,7 +257,7 @@ def run_offline_cmd(args) -> int:
         return 2
     from ..engine import resolve_device
     from .environment import environment
-    from .offline import ROOFLINE_NOTE, TOK_S_NOTE, run_offline
+    from .offline import ROOFLINE_NOTE, TOK_S_NOTE, rounds_method, run_offline
     from .report import offline_table, write_json
 
     device = resolve_device(args.device)
@@ -259,10 +268,11 @@ def run_offline_cmd(args) -> int:
     out = _out_dir(args)
     env = environment(_command(), device)
     files: dict[str, str] = {}
+    method = {"method": rounds_method(cfg.rounds)} if cfg.rounds > 1 else {}  # rounds = 1: the file as before
 
     def save(result, complete: bool) -> Path:
         return write_json(out / f"{stem}.json", {
-            "benchmark": "tercel bench offline", "complete": complete, "environment": env, "config": cfg,
+            "benchmark": "tercel bench offline", "complete": complete, "environment": env, "config": cfg, **method,
             "tok_s_definition": TOK_S_NOTE, "roofline_definition": ROOFLINE_NOTE, "files": files, "result": result})
 
     # rewritten after every point: a run stopped by a time limit keeps what it measured

@@ -4,12 +4,17 @@ Each point sends `concurrency` conversations at once to `LLM.chat` (text in, tex
 is run twice: the first pass carries just-in-time costs (Triton compiles, graph warm-up), the second is
 the steady figure used for speed-ups. Plain decoding also runs the same prompts as token-id lists through
 `LLM.generate` with the engine's detokenizer off (ids in, ids out, as HF generate), so the JSON shows what
-the text path (chat template, incremental detokenization) costs."""
+the text path (chat template, incremental detokenization) costs.
+
+With `rounds` > 1 every engine is built up front and the timed passes run in interleaved rounds, each
+algorithm right after a plain pass of its own (`run_rounds`): the host's speed drifts between minutes, so a
+speed-up is taken within a round and the median over rounds is reported."""
 from __future__ import annotations
 
 import dataclasses
 import gc
 import logging
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -69,6 +74,7 @@ class OfflineConfig:
     profile: str = "first"  # off | first (each algorithm's smallest concurrency) | all
     hf_peers: bool = False
     hf_prompt_lookup: int = 10
+    rounds: int = 1  # > 1: interleaved rounds with paired plain passes (run_rounds); needs NONE among algorithms
 
 
 @dataclass(slots=True)
@@ -95,6 +101,40 @@ class Point:
     weight_roofline_tok_s: float | None = None
     roofline_fraction: float | None = None
     step_breakdown_us: dict | None = None  # SpecWorker.profile summary, from a separate profiled pass
+
+
+@dataclass(slots=True)
+class RoundsPoint(Point):
+    """A point measured in interleaved rounds (`rounds` > 1): `first` is the warm-up pass, `second` the round
+    with the median tok/s, and the speed-up the median over rounds of tok/s / the plain pass just before."""
+    rounds: list[PassResult] = field(default_factory=list)
+    # the plain pass run just before this algorithm's in the same round (plain itself: its own tok/s, so 1.0)
+    paired_plain_tok_s: list[float | None] = field(default_factory=list)
+    round_speedups: list[float | None] = field(default_factory=list)  # rounds[i].tok_s / paired_plain_tok_s[i]
+
+    def add_round(self, run: PassResult, plain_tok_s: float | None) -> None:
+        self.rounds.append(run)
+        self.paired_plain_tok_s.append(plain_tok_s)
+        self.round_speedups.append(round(run.tok_s / plain_tok_s, 4) if plain_tok_s else None)
+        self.second = median_pass(self.rounds)
+
+    def median_speedup(self) -> float | None:
+        ratios = [r for r in self.round_speedups if r is not None]
+        return round(statistics.median(ratios), 3) if ratios else None
+
+
+def median_pass(passes: Sequence[PassResult]) -> PassResult:
+    """The pass with the median tok/s (the lower middle one of an even count: a pass that was measured)."""
+    return sorted(passes, key=lambda r: r.tok_s)[(len(passes) - 1) // 2]
+
+
+def rounds_method(n: int) -> str:
+    return (f"every algorithm's engine built up front on the same weights; a warm-up pass of every point "
+            f"(`first`); then {n} interleaved rounds: in each, at every output length and concurrency, each "
+            f"speculative algorithm (their order rotating by one each round) runs right after a plain pass of its "
+            f"own; its per-round speed-up is its tok/s over that plain pass's, and speedup_over_plain is the median "
+            f"over rounds; `second` is the round with the median tok/s; plain's round is the median of that "
+            f"round's plain passes (speed-up 1.0)")
 
 
 @dataclass(slots=True)
@@ -226,18 +266,25 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _engines(cfg: OfflineConfig, loaded, device: torch.device, errors: dict[str, str]) -> Iterator[tuple[str, object]]:
-    """(algorithm, LLM) one at a time; each is dropped before the next takes its KV pool."""
+def _build_engine(cfg: OfflineConfig, loaded, algo: str, errors: dict[str, str]):
+    """The algorithm's LLM on the shared weights, or None (the reason in `errors`)."""
     from ..llm import LLM
 
     engine_kw = {k: v for k, v in cfg.engine.items() if k not in ("dequantize_gguf",)}
     engine_kw["progress"] = False
+    try:
+        return LLM(loaded=loaded, skip_tokenizer_init=loaded.tokenizer is None, **engine_kw,
+                   **cfg.spec.engine_kwargs(algo))
+    except Exception as e:  # noqa: BLE001 - one algorithm that cannot start must not lose the others
+        errors[algo] = f"{type(e).__name__}: {e}"
+        return None
+
+
+def _engines(cfg: OfflineConfig, loaded, device: torch.device, errors: dict[str, str]) -> Iterator[tuple[str, object]]:
+    """(algorithm, LLM) one at a time; each is dropped before the next takes its KV pool."""
     for algo in cfg.algorithms:
-        try:
-            llm = LLM(loaded=loaded, skip_tokenizer_init=loaded.tokenizer is None, **engine_kw,
-                      **cfg.spec.engine_kwargs(algo))
-        except Exception as e:  # noqa: BLE001 - one algorithm that cannot start must not lose the others
-            errors[algo] = f"{type(e).__name__}: {e}"
+        llm = _build_engine(cfg, loaded, algo, errors)
+        if llm is None:
             continue
         yield algo, llm
         del llm
@@ -245,7 +292,8 @@ def _engines(cfg: OfflineConfig, loaded, device: torch.device, errors: dict[str,
 
 
 def run_offline(cfg: OfflineConfig, on_progress: Callable[[OfflineResult], None] | None = None) -> OfflineResult:
-    """The sweep; on_progress gets the result so far after every point (speed-ups filled in)."""
+    """The sweep; on_progress gets the result so far after every point (with `rounds` > 1: after every round),
+    speed-ups filled in."""
     loaded, device = load_target(cfg)
     api_prompts, id_prompts, described = held_out_prompts(loaded, cfg.num_prompts)
     shape = target_shape(cfg.model)
@@ -253,27 +301,10 @@ def run_offline(cfg: OfflineConfig, on_progress: Callable[[OfflineResult], None]
     res = OfflineResult(model=label, device=str(device), dtype=str(next(loaded.model.parameters()).dtype),
                         prompts=described, weight_bytes=weight_bytes(loaded.model),
                         copy_bandwidth_bytes_per_s=copy_bandwidth(device))
-    total = len(cfg.algorithms) * len(cfg.output_lens) * len(cfg.concurrency)
-    bar = tqdm(total=total, desc="bench offline", unit="point", leave=False)
-    for algo, llm in _engines(cfg, loaded, device, res.engine_errors):
-        points = [(n, c) for n in cfg.output_lens for c in sorted(cfg.concurrency)]
-        for n_out, c in points:
-            bar.set_postfix_str(f"{algo} c={c} len={n_out}")
-            try:
-                point = measure_point(cfg, llm, algo, c, n_out, profile=cfg.profile == "all" or (
-                    cfg.profile == "first" and c == min(cfg.concurrency)), prompts=(api_prompts, id_prompts))
-            except Exception as e:  # noqa: BLE001 - e.g. out of memory at a large batch: keep the other algorithms
-                res.point_errors.append({"algorithm": algo, "concurrency": c, "output_len": n_out,
-                                         "error": f"{type(e).__name__}: {e}"[:500]})
-                bar.update(len(points) - points.index((n_out, c)))
-                break  # this engine's state is suspect; the next algorithm gets a fresh one
-            res.points.append(point)
-            if on_progress is not None:
-                derive(res)
-                on_progress(res)
-            bar.update(1)
-        llm = None  # the generator drops the engine only once no reference is left here
-    bar.close()
+    if cfg.rounds > 1:
+        run_rounds(cfg, loaded, device, (api_prompts, id_prompts), res, on_progress)
+    else:
+        _run_sequential(cfg, loaded, device, (api_prompts, id_prompts), res, on_progress)
     derive(res)
     if cfg.hf_peers:
         from .hf_peers import run_hf_peers
@@ -286,26 +317,183 @@ def run_offline(cfg: OfflineConfig, on_progress: Callable[[OfflineResult], None]
     return res
 
 
+def _profiled(cfg: OfflineConfig, c: int) -> bool:
+    return cfg.profile == "all" or (cfg.profile == "first" and c == min(cfg.concurrency))
+
+
+def _grid(cfg: OfflineConfig) -> list[tuple[int, int]]:
+    """(output length, concurrency) of every point, in sweep order."""
+    return [(n, c) for n in cfg.output_lens for c in sorted(cfg.concurrency)]
+
+
+def _point_error(res: OfflineResult, algo: str, c: int, n_out: int, e: Exception) -> None:
+    res.point_errors.append({"algorithm": algo, "concurrency": c, "output_len": n_out,
+                             "error": f"{type(e).__name__}: {e}"[:500]})
+
+
+def _run_sequential(cfg: OfflineConfig, loaded, device: torch.device, prompts: tuple[list, list[list[int]]],
+                    res: OfflineResult, on_progress: Callable[[OfflineResult], None] | None) -> None:
+    """One engine at a time, each point's two passes back to back (`rounds` = 1)."""
+    total = len(cfg.algorithms) * len(cfg.output_lens) * len(cfg.concurrency)
+    bar = tqdm(total=total, desc="bench offline", unit="point", leave=False)
+    for algo, llm in _engines(cfg, loaded, device, res.engine_errors):
+        points = _grid(cfg)
+        for n_out, c in points:
+            bar.set_postfix_str(f"{algo} c={c} len={n_out}")
+            try:
+                point = measure_point(cfg, llm, algo, c, n_out, profile=_profiled(cfg, c), prompts=prompts)
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory at a large batch: keep the other algorithms
+                _point_error(res, algo, c, n_out, e)
+                bar.update(len(points) - points.index((n_out, c)))
+                break  # this engine's state is suspect; the next algorithm gets a fresh one
+            res.points.append(point)
+            if on_progress is not None:
+                derive(res)
+                on_progress(res)
+            bar.update(1)
+        llm = None  # the generator drops the engine only once no reference is left here
+    bar.close()
+
+
+def _is_chat(api_prompts: list) -> bool:
+    return isinstance(api_prompts[0], list) and isinstance(api_prompts[0][0], dict)
+
+
+def point_runner(cfg: OfflineConfig, llm, c: int, n_out: int, api_prompts: list) -> Callable[[], list]:
+    """One pass of the point: `c` requests at once through LLM.chat (or generate, for token-id prompts)."""
+    batch, params = _cycle(api_prompts, c), _params(cfg, c, n_out)
+    return (lambda: llm.chat(batch, params)) if _is_chat(api_prompts) else (lambda: llm.generate(batch, params))
+
+
+def side_passes(cfg: OfflineConfig, llm, point: Point, run: Callable[[], list], prompts: tuple[list, list[list[int]]],
+                profile: bool) -> None:
+    """Plain decoding's token-id pass and (when `profile`) speculative decoding's profiled pass; once per point."""
+    api_prompts, id_prompts = prompts
+    c, n_out = point.concurrency, point.output_len
+    if point.algorithm == "NONE" and cfg.token_id_path and _is_chat(api_prompts):  # no tokenizer: both are ids
+        # ids in, ids out, as HF generate: no per-step detokenization
+        ids = _cycle(id_prompts, c)
+        id_params = [replace(p, detokenize=False) for p in _params(cfg, c, n_out, True)]
+        point.token_id = timed_pass(llm, lambda: llm.generate(ids, id_params), llm.engine.device)
+    if llm.engine.spec is not None and profile:
+        point.step_breakdown_us = profiled_pass(llm.engine.spec, run)
+
+
 def measure_point(cfg: OfflineConfig, llm, algo: str, c: int, n_out: int, profile: bool,
                   prompts: tuple[list, list[list[int]]]) -> Point:
     """Two timed passes of `c` requests at once; plain decoding adds the token-id pass, speculative
     decoding (when `profile`) a profiled one."""
-    api_prompts, id_prompts = prompts
     device = llm.engine.device
-    chat = isinstance(api_prompts[0], list) and isinstance(api_prompts[0][0], dict)
-    batch, params = _cycle(api_prompts, c), _params(cfg, c, n_out)
-    run = (lambda: llm.chat(batch, params)) if chat else (lambda: llm.generate(batch, params))
+    run = point_runner(cfg, llm, c, n_out, prompts[0])
     first = timed_pass(llm, run, device)
     point = Point(algo, c, n_out, first, timed_pass(llm, run, device))
-    if algo == "NONE" and cfg.token_id_path and chat:  # without a tokenizer both paths are token ids
-        # ids in, ids out, as HF generate: no per-step detokenization
-        ids = _cycle(id_prompts, c)
-        id_params = [replace(p, detokenize=False) for p in _params(cfg, c, n_out, True)]
-        point.token_id = timed_pass(llm, lambda: llm.generate(ids, id_params), device)
-        point.api_fraction_of_token_id = round(point.second.tok_s / point.token_id.tok_s, 3)
-    if llm.engine.spec is not None and profile:
-        point.step_breakdown_us = profiled_pass(llm.engine.spec, run)
+    side_passes(cfg, llm, point, run, prompts, profile)
     return point
+
+
+# ---- interleaved rounds (rounds > 1) ------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Live:
+    """An algorithm in the rounds: its engine, and per (output length, concurrency) its point (a dict that
+    outlives this entry: a dropped algorithm keeps the rounds it measured) and its pass."""
+    llm: object
+    points: dict[tuple[int, int], RoundsPoint]
+    runs: dict[tuple[int, int], Callable[[], list]] = field(default_factory=dict)
+
+    def timed(self, key: tuple[int, int]) -> PassResult:
+        return timed_pass(self.llm, self.runs[key], self.llm.engine.device)
+
+
+def run_rounds(cfg: OfflineConfig, loaded, device: torch.device, prompts: tuple[list, list[list[int]]],
+               res: OfflineResult, on_progress: Callable[[OfflineResult], None] | None) -> None:
+    """Every engine alive at once (they share `loaded`), a warm-up pass of every point, then `cfg.rounds`
+    interleaved rounds of paired passes (`play_round`). An algorithm whose pass fails leaves the rounds (its
+    engine's state is suspect) and keeps the points with the rounds it measured."""
+    live: dict[str, _Live] = {}
+    points: dict[str, dict[tuple[int, int], RoundsPoint]] = {}
+    for algo in cfg.algorithms:
+        llm = _build_engine(cfg, loaded, algo, res.engine_errors)
+        if llm is not None:
+            live[algo] = _Live(llm, points.setdefault(algo, {}))
+    bar = tqdm(total=len(live) * len(_grid(cfg)) * (1 + cfg.rounds), desc="bench offline", unit="pass",
+               leave=False)
+    for algo, entry in list(live.items()):
+        for n_out, c in _grid(cfg):
+            bar.set_postfix_str(f"warm-up {algo} c={c} len={n_out}")
+            try:
+                warm_up(cfg, algo, entry, n_out, c, prompts)
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory at a large batch: keep the other algorithms
+                _point_error(res, algo, c, n_out, e)
+                _drop(live, algo, device)
+                break
+            bar.update(1)
+        entry = None  # no reference to a dropped engine left here
+    for r in range(cfg.rounds):
+        play_round(r, cfg, live, res, device, bar)
+        # in sweep order; a point enters once it has a round (until then its `second` is only the warm-up)
+        res.points = [p for algo in cfg.algorithms for p in points.get(algo, {}).values() if p.rounds]
+        if on_progress is not None:
+            derive(res)
+            on_progress(res)
+    bar.close()
+    live.clear()
+    _free(device)
+
+
+def warm_up(cfg: OfflineConfig, algo: str, entry: _Live, n_out: int, c: int,
+            prompts: tuple[list, list[list[int]]]) -> None:
+    """The point's first pass (compile / capture costs) and its side passes; `second` is set by the rounds."""
+    key = (n_out, c)
+    entry.runs[key] = point_runner(cfg, entry.llm, c, n_out, prompts[0])
+    first = entry.timed(key)
+    point = RoundsPoint(algo, c, n_out, first, first)
+    side_passes(cfg, entry.llm, point, entry.runs[key], prompts, _profiled(cfg, c))
+    entry.points[key] = point
+
+
+def _drop(live: dict[str, _Live], algo: str, device: torch.device) -> None:
+    del live[algo]
+    _free(device)
+
+
+def play_round(r: int, cfg: OfflineConfig, live: dict[str, _Live], res: OfflineResult, device: torch.device,
+               bar) -> None:
+    """At every point, each speculative algorithm right after a plain pass of its own; the algorithms' order
+    rotates by one each round so none always runs first."""
+    spec = [a for a in cfg.algorithms if a != "NONE"]
+    order = spec[r % len(spec):] + spec[:r % len(spec)] if spec else []
+    for n_out, c in _grid(cfg):
+        key = (n_out, c)
+        plain_runs: list[PassResult] = []
+
+        def attempt(algo: str) -> PassResult | None:
+            if algo not in live or key not in live[algo].points:
+                return None
+            bar.set_postfix_str(f"round {r + 1} {algo} c={c} len={n_out}")
+            try:
+                return live[algo].timed(key)
+            except Exception as e:  # noqa: BLE001 - the others keep going
+                _point_error(res, algo, c, n_out, e)
+                _drop(live, algo, device)
+                return None
+
+        for algo in order:
+            if algo not in live:
+                continue
+            base = attempt("NONE")
+            if base is not None:
+                plain_runs.append(base)
+            own = attempt(algo)
+            if own is not None:
+                live[algo].points[key].add_round(own, base.tok_s if base is not None else None)
+            bar.update(1)
+        if not plain_runs:  # no speculative algorithm left to pair with: plain's own pass
+            base = attempt("NONE")
+            plain_runs += [base] if base is not None else []
+        if plain_runs and "NONE" in live:
+            mid = median_pass(plain_runs)
+            live["NONE"].points[key].add_round(mid, mid.tok_s)
+            bar.update(1)
 
 
 def profiled_pass(spec, run: Callable[[], object]) -> dict:
@@ -321,12 +509,18 @@ def profiled_pass(spec, run: Callable[[], object]) -> dict:
 
 
 def derive(res: OfflineResult) -> None:
-    """Speed-up over plain decoding (second passes, same length and concurrency) and the weight roofline."""
+    """Speed-up over plain decoding (second passes, same length and concurrency; in rounds the median of the
+    per-round paired ratios), the text path's share of the token-id speed and the weight roofline."""
     plain = {(p.output_len, p.concurrency): p.second.tok_s for p in res.points if p.algorithm == "NONE"}
     per_seq = res.copy_bandwidth_bytes_per_s / res.weight_bytes
     for p in res.points:
-        base = plain.get((p.output_len, p.concurrency))
-        p.speedup_over_plain = round(p.second.tok_s / base, 3) if base else None
+        if isinstance(p, RoundsPoint):
+            p.speedup_over_plain = p.median_speedup()
+        else:
+            base = plain.get((p.output_len, p.concurrency))
+            p.speedup_over_plain = round(p.second.tok_s / base, 3) if base else None
+        if p.token_id is not None:
+            p.api_fraction_of_token_id = round(p.second.tok_s / p.token_id.tok_s, 3)
         p.weight_roofline_tok_s = round(per_seq * p.concurrency, 1)
         p.roofline_fraction = round(p.second.tok_s / p.weight_roofline_tok_s, 4)
 
