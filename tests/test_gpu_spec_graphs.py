@@ -60,6 +60,14 @@ def _replays(llm) -> int:
     return spec.verify_runner.stats.replays + chained
 
 
+def _draft_runner(llm):
+    """The tree draft loop's runner (EAGLE trees) or the block forward's (DDTREE); None for other drafters."""
+    drafter = llm.engine.spec.drafter
+    if getattr(drafter, "uses_trees", False):
+        return getattr(drafter, "tree_runner", None) or getattr(drafter, "block_runner", None)
+    return None
+
+
 @pytest.mark.parametrize("name", list(ALGOS))
 def test_graph_mode_equals_eager_mode_bf16(bf16, chats, name, monkeypatch):
     # bit-for-bit against eager needs the same steps in the same batches: the overlap schedule (a chained
@@ -79,6 +87,9 @@ def test_graph_mode_equals_eager_mode_bf16(bf16, chats, name, monkeypatch):
         assert _tokens(graph, batch, 128) == _tokens(eager, batch, 128)
     runner = graph.engine.spec.verify_runner
     assert _replays(graph) > 0 and runner.stats.eager == 0, dict(runner.stats.fallbacks)
+    drafts = _draft_runner(graph)
+    if drafts is not None:  # trees: the whole draft loop / block forward replays too
+        assert drafts.stats.replays > 0 and drafts.stats.eager == 0, dict(drafts.stats.fallbacks)
     assert graph.engine.stats().kv_blocks_used == 0
 
 
@@ -135,6 +146,8 @@ def test_every_block_size_and_budget_runs(bf16, chats, kw):
     assert _replays(llm) > 0 and llm.engine.spec.verify_runner.stats.eager == 0
     if kw["speculative_algorithm"] == "DFLASH":  # every block size runs as the chained step
         assert llm.engine.spec.chain is not None and llm.engine.spec.chain.runner.stats.replays > 0
+    else:  # every budget's and tree size's draft step replays
+        assert _draft_runner(llm).stats.replays > 0 and _draft_runner(llm).stats.eager == 0
 
 
 @pytest.mark.parametrize("name", ["eagle3-chain", "ddtree"])
