@@ -107,17 +107,14 @@ def context_slots(reqs: Sequence[Request], lengths: Sequence[int], block_size: i
     padded block tables (slot 0, the dummy slot, past a request's length), and which are valid."""
     width = max(len(r.block_table) for r in reqs)
     tables = torch.tensor(padded_tables(reqs, width), dtype=torch.long, device=device).view(len(reqs), width)
-    pos = torch.arange(max(lengths), device=device)
-    valid = pos[None, :] < torch.tensor(lengths, device=device)[:, None]
-    slots = tables[:, (pos // block_size).clamp(max=width - 1)] * block_size + pos % block_size
-    return torch.where(valid, slots, 0), valid
+    return device_context_slots(tables, torch.tensor(lengths, device=device), max(lengths), block_size)
 
 
 def device_context_slots(block_tables: torch.Tensor, lengths: torch.Tensor, width: int,
                          block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """context_slots from tensors on the device (graph-safe): the slots [B, width] of positions 0 .. width - 1
-    through the block tables [B, cols], slot 0 (the dummy slot) at and past each request's length, and
-    which are valid (< lengths [B])."""
+    """context_slots from tensors (graph-safe: static shapes, no host values): the slots [B, width] of positions
+    0 .. width - 1 through the block tables [B, cols], slot 0 (the dummy slot) at and past each request's
+    length, and which are valid (< lengths [B])."""
     pos = torch.arange(width, device=lengths.device)
     valid = pos[None, :] < lengths[:, None]
     cols = (pos // block_size).clamp(max=block_tables.shape[1] - 1)

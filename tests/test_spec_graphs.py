@@ -14,6 +14,7 @@ import torch
 from spec_utils import spec_llm
 
 from tercel import SamplingParams
+from tercel.batching import blocks_covering, padded_tables
 from tercel.outputs import RequestMetrics
 from tercel.request import Request
 from tercel.speculative.tree import DraftTree, select_tree_nodes
@@ -105,6 +106,19 @@ def test_graph_mode_equals_eager_and_plain(smol_llm, prompts, plain, name):
         assert drafts.stats.replays > 0 and drafts.stats.eager == 0, dict(drafts.stats.fallbacks)
 
 
+def _prefilled(llm, prompts) -> tuple[list, list[int], torch.Tensor]:
+    """The prompts added and stepped until every request's draft state is current after its prefill: the
+    requests, their positions (base) and their block tables covering [0, base) ([B, cols], zero-padded)."""
+    eng, drafter = llm.engine, llm.engine.spec.drafter
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    reqs = [eng.requests[eng.add_request(p, params)] for p in prompts]
+    while not all(r.num_computed_tokens > 0 and drafter.ready(r) for r in reqs):
+        eng.step()
+    base = [r.num_computed_tokens for r in reqs]
+    cols = blocks_covering(max(base), eng.kv.block_size)
+    return reqs, base, torch.tensor(padded_tables(reqs, cols)).view(len(reqs), cols)
+
+
 def test_the_tree_draft_step_replays_what_it_computes_eagerly(smol_llm, prompts):
     """The captured tree draft loop (prefix padded to the block tables' capacity) gives the eager loop's
     candidates (the batch's own prefix): the same tokens and parents, the same scores, for requests of
@@ -114,13 +128,7 @@ def test_the_tree_draft_step_replays_what_it_computes_eagerly(smol_llm, prompts)
 
     llm = spec_llm(smol_llm, **GRAPHS, cuda_graph_bs=[4], **ALGOS["eagle3-tree"])
     eng, drafter = llm.engine, llm.engine.spec.drafter
-    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    reqs = [eng.requests[eng.add_request(p, params)] for p in prompts]
-    while not all(drafter.ready(r) for r in reqs):  # prefill: each request's draft state after its prompt
-        eng.step()
-    base = [r.num_computed_tokens for r in reqs]
-    cols = -(-max(base) // eng.kv.block_size)
-    tables = torch.tensor([r.block_table[:cols] + [0] * (cols - len(r.block_table[:cols])) for r in reqs])
+    reqs, base, tables = _prefilled(llm, prompts)
     batch = TreeDraftBatch(torch.stack([r.spec_state.logits for r in reqs]),
                            torch.stack([r.spec_state.hidden for r in reqs]), torch.tensor(base), tables)
     replays = drafter.tree_runner.stats.replays
@@ -261,13 +269,7 @@ def test_the_dflash_block_step_replays_what_it_computes_eagerly(smol_llm, prompt
 
     llm = spec_llm(smol_llm, **GRAPHS, cuda_graph_bs=[4], **ALGOS["ddtree"])
     eng, drafter = llm.engine, llm.engine.spec.drafter
-    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    reqs = [eng.requests[eng.add_request(p, params)] for p in prompts]
-    while not all(r.num_computed_tokens > 0 and drafter.ready(r) for r in reqs):  # prefill, context injected
-        eng.step()
-    base = [r.num_computed_tokens for r in reqs]
-    cols = -(-max(base) // eng.kv.block_size)
-    tables = torch.tensor([r.block_table[:cols] + [0] * (cols - len(r.block_table[:cols])) for r in reqs])
+    reqs, base, tables = _prefilled(llm, prompts)
     roots = torch.tensor([(r.output_token_ids or r.prompt_token_ids)[-1] for r in reqs])
     block_lens = torch.tensor([drafter.block_size, 3, drafter.block_size])  # one block cut short
     batch = BlockBatch(roots, torch.tensor(base), tables, block_lens)
