@@ -161,10 +161,11 @@ class EagleTreeDraftStep(_DraftStep):
         parent_entry = None
         n_cand = k
         for step in range(1, steps):
-            entries = torch.arange((step - 1) * k, step * k, device=dev)
+            e0 = (step - 1) * k
+            entries = torch.arange(e0, e0 + k, device=dev)
             if parent_entry is not None:
-                ancestors[:, entries] = ancestors[rows, parent_entry]
-            ancestors[:, entries, entries] = True
+                ancestors[:, e0:e0 + k] = ancestors[rows, parent_entry]
+            ancestors[:, e0:e0 + k, e0:e0 + k].diagonal(dim1=1, dim2=2).fill_(True)  # slices: graph-safe writes
             attn.entries, attn.mask = entries, ancestors[:, entries]
             pos = (b.base + (step - 1)).clamp(max=self.max_position)[:, None].expand(n, k)
             h_out = model(leaf_tokens.reshape(-1), leaf_hidden.reshape(n * k, -1), pos.reshape(-1), attn,
