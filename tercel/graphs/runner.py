@@ -36,8 +36,8 @@ import torch
 
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from .breakable import BreakableGraph
-from .capture_guard import CaptureGuard
 from .buffers import DEFAULT_BIG_COPY_BYTES, BufferSpec, StaticBuffers
+from .capture_guard import CaptureGuard
 
 log = logging.getLogger(__name__)
 
