@@ -4,6 +4,7 @@
 #   STEP=tests N=2      the last part, reassemble, the GPU suite (carry .carry/smol-2 .carry/whl)
 #   STEP=bench          benchmarks/spec_rounds.py: every configuration in interleaved rounds
 #   STEP=bench SHAPE=llama8b SKIP=1 NAME=llama8b   the 8B shape alone (random weights, random EAGLE-3 head)
+#   STEP=profile        benchmarks/step_profile.py: kernels and device µs per step and per phase, every algorithm
 #   STEP=memcheck       compute-sanitizer memcheck over benchmarks/spec_memcheck.py (all five algorithms)
 #   STEP=serve          `tercel serve` (EAGLE-3, adaptive by default, then plain) under `tercel bench serve` at RATES
 #                       (carry .carry/whl .carry/whlserve: fastapi, uvicorn, pydantic, xgrammar are not installed there)
@@ -38,6 +39,9 @@ bench)
     ${CONFIGS:+--configs $CONFIGS} --concurrency ${CONC:-1,16,64} \
     --out $OUT/spec_rounds_${NAME:-smollm2}_h200_${TERCEL_COMMIT}.json 2>&1 | tee $OUT/spec_rounds_${NAME:-smollm2}.log \
     | tail -60 ;;
+profile)
+  timeout ${BENCH_S:-400} python3 benchmarks/step_profile.py --model $M --tokens ${TOKENS:-128} ${CONFIGS:+--configs $CONFIGS} \
+    --out $OUT/step_profile_smollm2_h200_${TERCEL_COMMIT}.json 2>&1 | grep -v "^USDT\|profiler_st" | tee $OUT/step_profile.log | tail -30 ;;
 serve)
   for label in ${LABELS:-eagle3 plain}; do
     # this GGUF is not the installed default model, so AUTO would find no bundled draft: name it

@@ -1,0 +1,157 @@
+"""A step profile per algorithm (issue #30 item 4): kernels per step and device µs per step, by kernel and by phase.
+
+SmolLM2 bf16 with the bundled drafts, batch 1, greedy, one chat prompt. For each configuration:
+- kernels: one generate of --tokens under torch.profiler (CUDA activity: graph replays' kernels are listed one
+  by one) minus a generate of 1 token (prefill and start-up), divided by the steps between them (decode steps
+  for plain, verify steps for speculation): kernels per step, device µs per step, the heaviest kernels.
+- phases: the same generate with the worker's StepProfile on (CUDA events at draft / verify / accept / emit /
+  extend), on an engine with the chained step off (TERCEL_SPEC_CHAIN=0), so each phase has its own boundary;
+  the chained step's kernels are the first part's.
+
+Usage: PYTHONPATH=. python benchmarks/step_profile.py --model $M [--tokens 128] [--configs plain,eagle3-chain,...]
+       --out benchmarks/results/step_profile_smollm2_h200_<commit>.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import environment  # noqa: E402
+
+CONFIGS = {  # name -> engine keywords (fixed width: the profile is of one step shape)
+    "plain": {},
+    "eagle3-chain": dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1),
+    "eagle3-tree16": dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_num_draft_tokens=16),
+    "dflash": dict(speculative_algorithm="DFLASH"),
+    "ddtree16": dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16),
+    "ngram": dict(speculative_algorithm="NGRAM"),
+}
+_NOT_KERNELS = ("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")
+
+
+def _engine(base, name: str, device: str, chained: bool):
+    from tercel import LLM
+    from tercel.engine import LLMEngine
+
+    saved = os.environ.get("TERCEL_SPEC_CHAIN")
+    if not chained:
+        os.environ["TERCEL_SPEC_CHAIN"] = "0"  # read while the engine builds
+    try:
+        llm = LLM.__new__(LLM)
+        llm.engine = LLMEngine(loaded=base.engine.loaded, device=device, dtype=base.engine.dtype,
+                               speculative_adaptive="off", kv_cache_memory=1 << 30, **CONFIGS[name])
+    finally:
+        if saved is None:
+            os.environ.pop("TERCEL_SPEC_CHAIN", None)
+        else:
+            os.environ["TERCEL_SPEC_CHAIN"] = saved
+    return llm
+
+
+def _steps(llm, out) -> int:
+    """Decode steps for plain, verify steps for speculation."""
+    m = out[0].metrics
+    return m.spec_verify_steps if llm.engine.spec is not None else len(out[0].outputs[0].token_ids) - 1
+
+
+def _kernels(llm, prompt: str, params) -> tuple[dict, int]:
+    """{kernel name: [count, device µs]} of one generate, and its steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        out = llm.generate([prompt], params)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    table: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type.name != "CUDA" or e.name.startswith(_NOT_KERNELS):
+            continue
+        table[e.name][0] += 1
+        table[e.name][1] += e.time_range.elapsed_us()
+    return table, _steps(llm, out)
+
+
+def profile_kernels(llm, prompt: str, tokens: int) -> dict:
+    from tercel import SamplingParams
+
+    full, steps = _kernels(llm, prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    head, steps0 = _kernels(llm, prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    n = max(1, steps - steps0)
+    per = {k: (c - head.get(k, (0, 0.0))[0], us - head.get(k, (0, 0.0))[1]) for k, (c, us) in full.items()}
+    top = sorted(per.items(), key=lambda kv: -kv[1][1])[:20]
+    return {"steps": n, "kernels_per_step": round(sum(c for c, _ in per.values()) / n, 1),
+            "device_us_per_step": round(sum(us for _, us in per.values()) / n, 1),
+            "top_kernels": [{"name": k[:120], "per_step": round(c / n, 2), "us_per_step": round(us / n, 1)}
+                            for k, (c, us) in top]}
+
+
+def profile_phases(llm, prompt: str, tokens: int) -> dict | None:
+    from tercel import SamplingParams
+
+    spec = llm.engine.spec
+    if spec is None:
+        return None
+    spec.profile.enabled = True
+    llm.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    spec.profile.enabled = False
+    return spec.profile.summary()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    from tercel import LLM, SamplingParams
+    from tercel.train.data import EVAL_CHAT_PROMPTS
+
+    names = args.configs.split(",")
+    bad = [n for n in names if n not in CONFIGS]
+    if bad:
+        raise SystemExit(f"--configs: unknown {bad}; choose from {list(CONFIGS)}")
+    base = LLM(args.model, device=args.device, dtype="auto", progress=False, kv_cache_memory=1 << 30)
+    prompt = base.tokenizer.apply_chat_template([{"role": "user", "content": EVAL_CHAT_PROMPTS[0]}])
+    warm = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+    res: dict = {"benchmark": "step profile per algorithm: kernels and device µs per step (torch.profiler), "
+                              "device µs per phase (StepProfile, unchained steps)",
+                 "environment": environment(), "device": args.device, "dtype": str(base.engine.dtype),
+                 "tokens": args.tokens, "prompt": "EVAL_CHAT_PROMPTS[0], chat template, batch 1, greedy, fixed "
+                                                  "width (adaptive off)", "results": {}}
+    for name in names:
+        entry: dict = {}
+        for chained in (True, False):
+            if not chained and name == "plain":
+                continue
+            llm = _engine(base, name, args.device, chained)
+            for _ in range(2):
+                llm.generate([prompt], warm)  # captures, JIT, clocks
+            if chained:
+                entry["kernels"] = profile_kernels(llm, prompt, args.tokens)
+                spec = llm.engine.spec
+                if spec is not None:
+                    s = llm.engine.spec_stats()
+                    entry["accept_length"] = round((s.accepted_tokens + s.verify_steps) / max(1, s.verify_steps), 3)
+            else:
+                entry["phases_unchained"] = profile_phases(llm, prompt, args.tokens)
+            llm.engine.shutdown()
+        res["results"][name] = entry
+        k = entry["kernels"]
+        print(f"{name:14s} {k['kernels_per_step']:7.1f} kernels/step {k['device_us_per_step']:8.1f} µs/step  "
+              f"phases {entry.get('phases_unchained', {}) and entry['phases_unchained']['gpu_us']}", flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
