@@ -37,14 +37,19 @@ _NOT_KERNELS = ("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")
 def _engine(base, name: str, device: str, chained: bool):
     from tercel import LLM
     from tercel.engine import LLMEngine
+    from tercel.speculative import DEFAULT_DFLASH_DRAFT, DEFAULT_EAGLE3_DRAFT
 
     saved = os.environ.get("TERCEL_SPEC_CHAIN")
     if not chained:
         os.environ["TERCEL_SPEC_CHAIN"] = "0"  # read while the engine builds
     try:
         llm = LLM.__new__(LLM)
+        algo = CONFIGS[name].get("speculative_algorithm")
+        drafts = {"EAGLE3": DEFAULT_EAGLE3_DRAFT, "DFLASH": DEFAULT_DFLASH_DRAFT, "DDTREE": DEFAULT_DFLASH_DRAFT}
+        draft = str(drafts[algo]) if algo in drafts else None  # the bundled drafts, whatever GGUF path --model names
         llm.engine = LLMEngine(loaded=base.engine.loaded, device=device, dtype=base.engine.dtype,
-                               speculative_adaptive="off", kv_cache_memory=1 << 30, **CONFIGS[name])
+                               speculative_adaptive="off", kv_cache_memory=1 << 30,
+                               speculative_draft_model_path=draft, **CONFIGS[name])
     finally:
         if saved is None:
             os.environ.pop("TERCEL_SPEC_CHAIN", None)
