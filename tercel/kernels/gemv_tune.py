@@ -20,7 +20,8 @@ Small-M forwards (verify, drafts, small batches: 2..32 rows, kernels.gemm_small)
 measured once per row bucket (2, 4, 8, 16, 32), at the bucket's full row count, against the unfused ops at
 that many rows (cuBLAS GEMMs); a bucket whose role loses keeps the unfused ops. The tl.dot configs pad to
 16 rows, so one compiled kernel serves buckets 2..16 (and one 32): the buckets cost timing, not compiles;
-the broadcast-product configs are tried at 2 and 4 rows only.
+the broadcast-product configs (narrow programs, as batch 1 wins with) up to 4, 8 or 16 rows, as their register
+tile allows.
 """
 from __future__ import annotations
 
@@ -51,8 +52,11 @@ SMALL_M_DOT = (  # every row bucket; wide programs re-read the rows of x (and th
     GemvConfig(block_n=64, block_k=128, num_warps=8, dot=True),
     GemvConfig(block_n=16, block_k=256, split_k=4, dot=True),
 )
-SMALL_M_BROADCAST = (GemvConfig(block_n=8, block_k=256),)  # 2 and 4 rows (each compile costs start-up time)
-SMALL_M_BROADCAST_ROWS = 4  # past this the broadcast tile (rows x block_n x block_k) spills registers
+# Broadcast-product configs: many narrow programs, as the batch-1 GEMV wins with on small matrices. The rows x
+# block_n x block_k product tile is 8192 values (64 fp32 registers a thread at 4 warps) at most, past which it
+# spills, so each serves up to the row bucket named beside it (each compile costs start-up time).
+SMALL_M_BROADCAST = ((GemvConfig(block_n=8, block_k=256), 4), (GemvConfig(block_n=4, block_k=256), 8),
+                     (GemvConfig(block_n=2, block_k=512), 8), (GemvConfig(block_n=2, block_k=256), 16))
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +133,7 @@ def _linear_fn(config: GemvConfig | None, out_dtype: torch.dtype | None = None):
 
 def small_m_candidates(rows: int) -> list[GemvConfig]:
     """What tune_role tries for a small-M row bucket (before tune_role's own split and norm_after rules)."""
-    return list(SMALL_M_DOT) + (list(SMALL_M_BROADCAST) if rows <= SMALL_M_BROADCAST_ROWS else [])
+    return list(SMALL_M_DOT) + [c for c, most in SMALL_M_BROADCAST if rows <= most]
 
 
 def tune_role(role: str, weights: list[torch.Tensor], plain: GemvConfig | None,
