@@ -258,3 +258,19 @@ def test_serve_against_tercel_serve(tiny_server, tmp_path):
         assert row["e2e_ms"]["p99"] >= row["ttft_ms"]["p99"]
     pytest.importorskip("matplotlib")
     assert_png(tmp_path / d["files"]["latency_png"])
+
+
+def test_rounds_on_a_gpu_share_the_kv_memory_between_engines(monkeypatch):
+    """Every engine of a rounds sweep lives at once: without a pool size of the user's each takes an equal share
+    of gpu_memory_utilization x free memory (sized from free memory, the third engine ran out on the H200)."""
+    import torch
+
+    from tercel.bench.offline import OfflineConfig, shared_kv_budget
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 << 30, 140 << 30))
+    cuda = torch.device("cuda")
+    cfg = OfflineConfig(model=None, rounds=5, engine={"gpu_memory_utilization": 0.8, "kv_cache_memory": None})
+    assert shared_kv_budget(cfg, cuda, 5) == {"kv_cache_memory": int((100 << 30) * 0.8 / 5)}
+    assert shared_kv_budget(OfflineConfig(model=None, engine={"kv_cache_memory": 1 << 30}), cuda, 5) == {}
+    assert shared_kv_budget(OfflineConfig(model=None, engine={"num_kv_blocks": 64}), cuda, 5) == {}
+    assert shared_kv_budget(cfg, cuda, 1) == {} and shared_kv_budget(cfg, torch.device("cpu"), 5) == {}

@@ -266,11 +266,22 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _build_engine(cfg: OfflineConfig, loaded, algo: str, errors: dict[str, str]):
+def shared_kv_budget(cfg: OfflineConfig, device: torch.device, engines: int) -> dict:
+    """Engine keywords that let `engines` engines live at once on a GPU: each KV pool sized from free memory
+    would take 85% of what the previous ones left, and the third would not start. Without a pool size of the
+    user's, each takes an equal share of gpu_memory_utilization x free memory."""
+    if device.type != "cuda" or engines < 2 or {"kv_cache_memory", "num_kv_blocks"} & {
+            k for k, v in cfg.engine.items() if v is not None}:
+        return {}
+    free, _ = torch.cuda.mem_get_info(device)
+    return {"kv_cache_memory": int(free * (cfg.engine.get("gpu_memory_utilization") or 0.85) / engines)}
+
+
+def _build_engine(cfg: OfflineConfig, loaded, algo: str, errors: dict[str, str], extra: dict | None = None):
     """The algorithm's LLM on the shared weights, or None (the reason in `errors`)."""
     from ..llm import LLM
 
-    engine_kw = {k: v for k, v in cfg.engine.items() if k not in ("dequantize_gguf",)}
+    engine_kw = {k: v for k, v in cfg.engine.items() if k not in ("dequantize_gguf",)} | (extra or {})
     engine_kw["progress"] = False
     try:
         return LLM(loaded=loaded, skip_tokenizer_init=loaded.tokenizer is None, **engine_kw,
@@ -411,8 +422,9 @@ def run_rounds(cfg: OfflineConfig, loaded, device: torch.device, prompts: tuple[
     engine's state is suspect) and keeps the points with the rounds it measured."""
     live: dict[str, _Live] = {}
     points: dict[str, dict[tuple[int, int], RoundsPoint]] = {}
+    share = shared_kv_budget(cfg, device, len(cfg.algorithms))
     for algo in cfg.algorithms:
-        llm = _build_engine(cfg, loaded, algo, res.engine_errors)
+        llm = _build_engine(cfg, loaded, algo, res.engine_errors, share)
         if llm is not None:
             live[algo] = _Live(llm, points.setdefault(algo, {}))
     bar = tqdm(total=len(live) * len(_grid(cfg)) * (1 + cfg.rounds), desc="bench offline", unit="pass",
