@@ -46,7 +46,7 @@ profile)
 offline)
   timeout ${BENCH_S:-480} python3 -m tercel bench offline --model $M --rounds ${ROUNDS:-5} --concurrency ${CONC:-1,4,16,64,256} \
     --output-len ${LEN:-128} --eagle-draft tercel/drafts/smollm2-eagle3 --dflash-draft tercel/drafts/smollm2-dflash \
-    --output-dir $OUT --name bench_offline_smollm2_h200_${TERCEL_COMMIT} 2>&1 | tr '\r' '\n' | grep -v "bench offline:" \
+    ${ALGOS:+--algorithms $ALGOS} ${EXTRA:-} --output-dir $OUT --name bench_offline_smollm2_h200_${TERCEL_COMMIT} 2>&1 | tr '\r' '\n' | grep -v "bench offline:" \
     | tee $OUT/bench_offline.log | tail -40 ;;
 serve)
   for label in ${LABELS:-eagle3 plain}; do
