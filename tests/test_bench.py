@@ -262,7 +262,8 @@ def test_serve_against_tercel_serve(tiny_server, tmp_path):
 
 def test_rounds_on_a_gpu_share_the_kv_memory_between_engines(monkeypatch):
     """Every engine of a rounds sweep lives at once: without a pool size of the user's each takes an equal share
-    of gpu_memory_utilization x free memory (sized from free memory, the third engine ran out on the H200)."""
+    of half of gpu_memory_utilization x free memory (sized from free memory, the third engine ran out on the
+    H200; with whole shares the fourth did)."""
     import torch
 
     from tercel.bench.offline import OfflineConfig, shared_kv_budget
@@ -270,7 +271,7 @@ def test_rounds_on_a_gpu_share_the_kv_memory_between_engines(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 << 30, 140 << 30))
     cuda = torch.device("cuda")
     cfg = OfflineConfig(model=None, rounds=5, engine={"gpu_memory_utilization": 0.8, "kv_cache_memory": None})
-    assert shared_kv_budget(cfg, cuda, 5) == {"kv_cache_memory": int((100 << 30) * 0.8 / 5)}
+    assert shared_kv_budget(cfg, cuda, 5) == {"kv_cache_memory": int((100 << 30) * 0.8 / 10)}
     assert shared_kv_budget(OfflineConfig(model=None, engine={"kv_cache_memory": 1 << 30}), cuda, 5) == {}
     assert shared_kv_budget(OfflineConfig(model=None, engine={"num_kv_blocks": 64}), cuda, 5) == {}
     assert shared_kv_budget(cfg, cuda, 1) == {} and shared_kv_budget(cfg, torch.device("cpu"), 5) == {}
