@@ -344,9 +344,9 @@ class LLMEngine:
             sizes = tuple(b for b in graph_config.buckets() if b <= spec_max) or (spec_max,)
             spec_config = GraphConfig(max_bs=spec_max, backend=backend, batch_sizes=sizes)
             start = time.perf_counter()
-            self.spec.init_graphs(spec_config, max_blocks)
-            log.info("captured speculative graphs (batch sizes up to %d) in %.1f s", spec_max,
-                     time.perf_counter() - start)
+            self.spec.init_graphs(spec_config, max_blocks, plain_config=graph_config)
+            log.info("captured speculative graphs (batch sizes up to %d; plain steps up to %d) in %.1f s", spec_max,
+                     graph_config.max_bs, time.perf_counter() - start)
 
     def upload(self, lists: list[list[int]]) -> list[torch.Tensor]:
         """Small integer lists to the device as int64 tensors: one pinned copy on a GPU (the executor's)."""

@@ -87,6 +87,7 @@ def plot_serve_latency(results: Sequence, label: str, path: Path) -> Path | None
         ax.plot(xs, p90, marker=".", ls="--", label="p90")
         ax.plot(xs, p99, marker=".", ls=":", label="p99")
         ax.set_xscale("log")
+        ax.minorticks_off()  # the log axis's minor labels (2x10^1, ...) overprint the rates
         ax.set_xticks(xs, [("inf" if math.isinf(r.request_rate) else f"{r.request_rate:g}") for r in rows])
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("ms")

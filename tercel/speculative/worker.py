@@ -223,11 +223,13 @@ class SpecWorker:
         return outputs
 
     # ---- graphs ----------------------------------------------------------------------------
-    def init_graphs(self, config: GraphConfig, max_blocks: int) -> None:
+    def init_graphs(self, config: GraphConfig, max_blocks: int, plain_config: GraphConfig | None = None) -> None:
         """Capture target verify (num_draft_tokens per request, tree masks when the drafter branches, at
         the drafter's capture-hidden mode) and the drafter's own steps, every bucket, now, as step kinds of
         the executor: after the aux-layer set and the draft's shared embedding / lm_head are fixed, so the
-        graphs bind them."""
+        graphs bind them. plain_config: the buckets of the one-token verify (an adaptive engine's plain steps,
+        with the drafter's hidden states), the decode graph's: plain steps must run at plain speed at every
+        batch the decode graph serves, also past the speculative steps' buckets."""
         self._sync_target()
         eng = self.engine
         ex = eng.executor
@@ -240,7 +242,8 @@ class SpecWorker:
                     continue
                 step = ModelStep(eng.model, eng.kv, max_blocks, w, custom_mask=w > 1 and self.drafter.uses_trees,
                                  name=f"verify-{w}")
-                ex.register(verify_key(w), step, config, self.drafter.capture_hidden_mode)
+                ex.register(verify_key(w), step, plain_config if w == 1 and plain_config else config,
+                            self.drafter.capture_hidden_mode)
             self.drafter.init_graphs(config, max_blocks)
             # TERCEL_SPEC_CHAIN=0: separate draft / verify / extend graphs only (side-by-side measurements)
             chain_step = (self.drafter.chain_step(max_blocks) if env("TERCEL_SPEC_CHAIN") != "0"
