@@ -275,3 +275,18 @@ def test_rounds_on_a_gpu_share_the_kv_memory_between_engines(monkeypatch):
     assert shared_kv_budget(OfflineConfig(model=None, engine={"kv_cache_memory": 1 << 30}), cuda, 5) == {}
     assert shared_kv_budget(OfflineConfig(model=None, engine={"num_kv_blocks": 64}), cuda, 5) == {}
     assert shared_kv_budget(cfg, cuda, 1) == {} and shared_kv_budget(cfg, torch.device("cpu"), 5) == {}
+
+
+def test_adaptive_points_record_what_the_policy_believed(tmp_path):
+    """Adaptive speculation on: each pass records the cost model (step ms per bucket x width, the forward's, the
+    real steps behind it), to read beside the measured pace; plain passes have none."""
+    r = bench("offline", "--model", "llama-tiny", "--algorithms", "NONE,NGRAM", "--concurrency", "2",
+              "--output-len", "6", "--kv-cache-memory", "16000000", "--no-hf-peers", "--no-plots",
+              "--out-dir", str(tmp_path), "--name", "costs")
+    assert r.returncode == 0, r.stderr[-3000:]
+    points = {p["algorithm"]: p for p in json.loads((tmp_path / "costs.json").read_text())["result"]["points"]}
+    assert points["NONE"]["second"]["cost_model"] == {}
+    costs = points["NGRAM"]["second"]["cost_model"]
+    assert "2x1" in costs and len(costs) >= 2 and all(k.startswith("2x") for k in costs)
+    for c in costs.values():
+        assert c["step_ms"] > 0 and c["forward_ms"] > 0 and c["observed"] >= 0

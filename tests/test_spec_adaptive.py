@@ -108,6 +108,11 @@ def test_cost_model_buckets_and_overheads():
     costs.observe(4, 6, 0.05)
     costs.observe(4, 6, 0.9)  # one step on a busy host moves nothing
     assert costs.step_s(4, 6) == pytest.approx(0.05)
+    # what benchmarks record: the cost the policy uses, the forward's, and the real steps behind it
+    est = round(costs.step_s(4, 4) * 1e3, 4)  # never ran: its forward + the learnt overhead
+    assert costs.snapshot() == {"4x1": {"step_ms": 10.0, "forward_ms": 10.0, "observed": 0},
+                                "4x4": {"step_ms": est, "forward_ms": 15.0, "observed": 0},
+                                "4x6": {"step_ms": 50.0, "forward_ms": 20.0, "observed": 5}}
 
 
 def test_measuring_takes_turns_and_caps_noisy_narrow_widths():

@@ -85,6 +85,7 @@ class PassResult:
     mean_accept_length: float | None = None
     accept_histogram: list[int] = field(default_factory=list)  # index k: verifies that accepted k drafts
     spec_stats: dict = field(default_factory=dict)  # the change of engine.spec.stats over this pass
+    cost_model: dict = field(default_factory=dict)  # adaptive: the policy's step costs after the pass (CostModel)
 
 
 @dataclass(slots=True)
@@ -199,9 +200,11 @@ def timed_pass(llm, run: Callable[[], list], device: torch.device) -> PassResult
     for o in outs:
         h = o.metrics.spec_accept_histogram
         hist = [(hist[k] if k < len(hist) else 0) + (h[k] if k < len(h) else 0) for k in range(max(len(hist), len(h)))]
+    adaptive = getattr(llm.engine.spec, "adaptive", None)
     return PassResult(wall_s=round(wall, 4), output_tokens=tokens, tok_s=round(tokens / wall, 2),
                       mean_accept_length=round((accepted + steps) / steps, 3) if steps else None,
-                      accept_histogram=hist, spec_stats=stats_delta(before, stats_snapshot(stats)))
+                      accept_histogram=hist, spec_stats=stats_delta(before, stats_snapshot(stats)),
+                      cost_model=adaptive.costs.snapshot() if adaptive is not None else {})
 
 
 # ---- the sweep --------------------------------------------------------------------------------------------

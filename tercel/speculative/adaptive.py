@@ -158,6 +158,16 @@ class CostModel:
         self.observed_s[b, width] = statistics.median(recent)
         self._average(self.overhead_s, (b, width > 1), wall_s - self.forward_s[b, width])
 
+    def snapshot(self) -> dict[str, dict[str, float | int]]:
+        """What the policy believes, per "bucket x width": the step time it uses (ms), the dummy forward's (ms)
+        and how many real steps stand behind the first (0: the forward plus the learnt overhead). Benchmarks
+        record it beside the measured pace, to tell a wrong choice from a wrong cost."""
+        out: dict[str, dict[str, float | int]] = {}
+        for b, w in sorted(self.forward_s):
+            out[f"{b}x{w}"] = {"step_ms": round(self.step_s(b, w) * 1e3, 4),
+                               "forward_ms": round(self.forward_s[b, w] * 1e3, 4), "observed": self.observations(b, w)}
+        return out
+
     def measure(self, batch_size: int, widths: Sequence[int], forward: Callable[[int, int], None],
                 sync: Callable[[], None], reps: int = 2, clock: Callable[[], float] = time.perf_counter) -> None:
         """Time forward(bucket, width) for the widths not known yet at this batch's bucket: a warm-up, then
