@@ -117,6 +117,12 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    import logging
+
+    # the GEMV tuner's per-role timings (fused against unfused, per row bucket) land in the log: with
+    # TERCEL_SMALL_M=1 they say why a small-M GEMM was kept or not
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("tercel.models.gemv_tuning").setLevel(logging.INFO)
     from tercel import LLM, SamplingParams
     from tercel.train.data import EVAL_CHAT_PROMPTS
 
