@@ -28,6 +28,10 @@ OVERRIDES: dict[str, EnvOverride] = {
     "TERCEL_SMALL_M": EnvOverride(
         "0", "1: tune and use the fused small-M GEMMs for 2..32-row forwards (measured slower per verify step on "
              "the H200, so off)"),
+    "TERCEL_DRAFT_PAGED_PREFIX": EnvOverride(
+        "1", "0: the EAGLE tree draft loop and DFlash's block gather every prefix slot the block table can hold and "
+             "run SDPA over them (the CPU's path), instead of the split-KV decode kernel over each request's own "
+             "prefix merged with the dense keys (tercel/attention/paged_merge.py)"),
     "TERCEL_DECODE_ATTN": EnvOverride(
         "rope", "decode attention variant: rope (RoPE + K/V store in the split kernel, merge kernel after), one "
                 "(the merge in the same launch, by the last split), split (a separate rope_store kernel before)"),

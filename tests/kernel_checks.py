@@ -417,8 +417,87 @@ def check_race(device: str, dtype: torch.dtype) -> None:
             assert got[i] == race(probs, draw_noise(keys[i:i + 1], 3000, probs.device))[0], (seed, i)
 
 
+def check_tree_draft_attention(device: str, dtype: torch.dtype) -> None:
+    """EAGLE's tree draft attention with the prefix through the split-KV kernel's partials (merged by
+    log-sum-exp with the scratch of earlier leaves) against the gathered prefix + SDPA path, the CPU's."""
+    from types import SimpleNamespace
+
+    from tercel.attention.paged_merge import PagedPrefix
+    from tercel.batching import device_context_slots
+    from tercel.speculative.eagle_tree_step import DraftAttention
+
+    nq, nkv, d, page, w, cap = 6, 2, 32, 16, 3, 6
+    bases = [37, 0, 100]  # the second request is padding: no prefix, only its own leaves
+    kc, vc, bt = _paged_case(device, dtype, [max(1, s) for s in bases], nq, nkv, d, page, seed=4)
+    cache = SimpleNamespace(k=[kc], v=[vc])
+    b = len(bases)
+    base = torch.tensor(bases, device=device)
+    entries = torch.tensor([2, 3, 4], device=device)
+    mask = torch.zeros(b, w, cap, dtype=torch.bool)
+    mask[:, :, 0] = True  # an earlier leaf every row descends from
+    mask[:, 1, 1] = True
+    mask[:, torch.arange(w), entries.cpu()] = True  # each row sees itself
+    mask = mask.to(device)
+    for splits in (2, 4):
+        outs = []
+        for paged in (False, True):
+            gen = torch.Generator(device="cpu").manual_seed(6)
+            q = torch.randn(b * w, nq, d, generator=gen).to(device, dtype)
+            k = torch.randn(b * w, nkv, d, generator=gen).to(device, dtype)
+            v = torch.randn(b * w, nkv, d, generator=gen).to(device, dtype)
+            if paged:
+                pp = PagedPrefix(bt.repeat_interleave(w, dim=0), base.repeat_interleave(w), page, splits, b)
+                attn = DraftAttention(cache, None, None, cap, d ** -0.5, pp)
+            else:
+                slots, valid = device_context_slots(bt, base, bt.shape[1] * page, page)
+                attn = DraftAttention(cache, slots, valid, cap, d ** -0.5)
+            attn.entries, attn.mask = entries, mask
+            prior = torch.randn(b, cap, nkv, d, generator=gen).to(device, dtype)  # earlier steps' leaves
+            attn.block_k[0], attn.block_v[0] = prior.clone(), (prior * 0.5).clone()
+            if not paged:
+                attn.prefix_kv[0] = (kc[slots], vc[slots])
+            outs.append(attn(0, q, k, v))
+        err = _rel(outs[1], outs[0])
+        assert err < _tol(dtype), (splits, err)
+        assert torch.isfinite(outs[1]).all()
+
+
+def check_dflash_paged_attention(device: str, dtype: torch.dtype) -> None:
+    """DFlash's block attention with the context read by the split-KV kernel (forward_paged) against the
+    gathered context + SDPA (forward): a block cut short and a padding request without context included."""
+    from types import SimpleNamespace
+
+    from tercel.attention.paged_merge import PagedPrefix
+    from tercel.batching import device_context_slots
+    from tercel.models.dflash import DFlashAttention
+
+    nq, nkv, d, hidden, page, s = 4, 2, 32, 64, 16, 4
+    bases = [45, 0, 70]
+    kc, vc, bt = _paged_case(device, dtype, [max(1, x) for x in bases], nq, nkv, d, page, seed=7)
+    cfg = SimpleNamespace(num_heads=nq, num_kv_heads=nkv, head_dim=d, hidden_size=hidden, attention_bias=False,
+                          rms_norm_eps=1e-6)
+    torch.manual_seed(8)
+    attn = DFlashAttention(cfg, 0).to(device, dtype)
+    b = len(bases)
+    g = torch.Generator(device="cpu").manual_seed(9)
+    x = torch.randn(b, s, hidden, generator=g).to(device, dtype)
+    ang = torch.rand(b * s, 1, d // 2, generator=g).repeat(1, 1, 2).to(device)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    base = torch.tensor(bases, device=device)
+    block_mask = torch.arange(s, device=device)[None, :] < torch.tensor([s, s, 2], device=device)[:, None]
+    slots, valid = device_context_slots(bt, base, bt.shape[1] * page, page)
+    with torch.no_grad():
+        want = attn(x, cos, sin, kc[slots], vc[slots], valid, block_mask)
+        for splits in (2, 8):
+            paged = PagedPrefix(bt.repeat_interleave(s, dim=0), base.repeat_interleave(s), page, splits, b)
+            got = attn.forward_paged(x, cos, sin, kc, vc, paged, block_mask)
+            err = _rel(got, want)
+            assert err < _tol(dtype), (splits, err)
+
+
 ALL = [check_race, check_argmax, check_norms, check_rope_store, check_decode, check_extend, check_gemv,
-       check_gemv_fused, check_gemm_small, check_decode_rope]
+       check_gemv_fused, check_gemm_small, check_decode_rope, check_tree_draft_attention,
+       check_dflash_paged_attention]
 
 
 def run_all(device: str, dtype: torch.dtype) -> None:

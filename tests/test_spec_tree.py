@@ -38,3 +38,4 @@ def test_batched_re_ranking_keeps_the_hosts_tree(k, steps, nodes):
         want_kept, want_parents = select_tree_nodes(scores[i], parents[i], nodes)
         assert kept[i].tolist() == want_kept and tree_parents[i].tolist() == want_parents, i
         DraftTree([0] + kept[i].tolist(), [-1] + tree_parents[i].tolist())  # a valid tree: parents come first
+

@@ -189,6 +189,32 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+def decode_attention_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float,
+                              num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-KV decode kernel's partial results, unmerged, for a caller that merges them with attention over
+    keys that are not in the paged cache (EAGLE's tree draft: the paged prefix here, the tree's own leaves
+    beside it). q: [R, H, D]; block_tables: [R, W]; seq_lens: [R] (0: no keys, that row's partials are empty).
+    Returns (outputs [R, H, S, D] fp32, each split's softmax-normalised output; lse [R, H, S] fp32, each split's
+    log-sum-exp in base 2 of scale * log2(e) * q.k, -inf for a split with no keys), S = max(2, num_splits)."""
+    rows, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    splits = max(2, num_splits)  # the kernel writes partials only when it splits
+    part_o = torch.empty((rows, heads, splits, dim), dtype=torch.float32, device=q.device)
+    part_l = torch.empty((rows, heads, splits), dtype=torch.float32, device=q.device)
+    if rows == 0:
+        return part_o, part_l
+    _decode_split_kernel[(rows, kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_o, part_l, q, 0,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        block_tables.stride(0), 0, 0, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0),
+        part_l.stride(1), scale * LOG2E, 0,
+        GROUP=heads // kv_heads, GROUP_PAD=max(16, triton.next_power_of_2(heads // kv_heads)), HEAD_DIM=dim,
+        PAGE=page_size, BLOCK_N=64 if dim <= 128 else 32, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,
+        PREFETCH=False, num_warps=4, num_stages=2)
+    return part_o, part_l
+
+
 @triton.jit
 def _extend_kernel(Q, KC, VC, O, BT, SL, QS, QL, MASK, MOFF,
                    stride_qt, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..attention.paged_merge import PagedPrefix, attend_paged_and_dense
 from ..attention.sdpa import sdpa
 from ..config import ConfigError, ModelConfig
 from ..kv import KVCacheSpec, PagedKVCache
@@ -95,13 +96,29 @@ class DFlashAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(-1, self.hkv, self.d))
         return apply_rope(k, cos, sin), self.v_proj(x).view(-1, self.hkv, self.d)
 
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        b, s, _ = x.shape
+        q = apply_rope(self.q_norm(self.q_proj(x).view(b * s, self.h, self.d)), cos, sin)
+        return (q, *self.kv(x.reshape(b * s, -1), cos, sin))
+
+    def forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor,
+                      cache_v: torch.Tensor, paged: PagedPrefix,
+                      block_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """forward with the context read from the paged cache by the split-KV kernel (GPU): cache_k / cache_v this
+        layer's [slots, Hkv, D], each request's context its first paged.seq_lens positions."""
+        b, s, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
+        seen = (x.new_ones(b, s, dtype=torch.bool) if block_mask is None else block_mask)[:, None, :].expand(b, s, s)
+        out = attend_paged_and_dense(q, cache_k, cache_v, paged, k.view(b, s, self.hkv, self.d),
+                                     v.view(b, s, self.hkv, self.d), seen, self.d ** -0.5)
+        return self.o_proj(out.reshape(b, s, -1))
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
                 ctx_v: torch.Tensor, ctx_mask: torch.Tensor, block_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, S, H] block rows; ctx_k/v: [B, C, Hkv, D] gathered context; ctx_mask: [B, C] valid;
         block_mask: [B, S] block rows that exist as keys (None: all)."""
         b, s, _ = x.shape
-        q = apply_rope(self.q_norm(self.q_proj(x).view(b * s, self.h, self.d)), cos, sin)
-        k, v = self.kv(x.reshape(b * s, -1), cos, sin)
+        q, k, v = self._qkv(x, cos, sin)
         # the block's keys first: a context padded past its length (a graph's) is a masked tail, so the real
         # keys fall in the same places whatever the padding
         keys = torch.cat([k.view(b, s, self.hkv, self.d), ctx_k], dim=1).transpose(1, 2)
@@ -145,10 +162,12 @@ class DFlashDraftModel(nn.Module):
             k, v = layer.self_attn.kv(ctx, cos, sin)
             cache.write(i, slots, k, v)
 
-    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, ctx_slots: torch.Tensor,
-                ctx_mask: torch.Tensor, cache: PagedKVCache, block_lens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, ctx_slots: torch.Tensor | None,
+                ctx_mask: torch.Tensor | None, cache: PagedKVCache, block_lens: torch.Tensor | None = None,
+                paged: PagedPrefix | None = None) -> torch.Tensor:
         """block_embeds: [B, S, H] (target embeddings x input_embedding_scale); positions: [B, S];
-        ctx_slots / ctx_mask: [B, C] cache slots of each request's context and their validity;
+        ctx_slots / ctx_mask: [B, C] cache slots of each request's context and their validity (gathered), or
+        paged: where the split-KV kernel finds each request's context (tercel.attention.paged_merge);
         block_lens: [B] a shorter block per request (the rows past it are neither keys nor used), as
         the reference drafts near the end of a request. Returns the normed hidden states [B, S, H];
         logits come from the target's lm_head."""
@@ -158,8 +177,12 @@ class DFlashDraftModel(nn.Module):
         cos, sin = self.rope.lookup(positions.reshape(-1))
         h = block_embeds
         for i, layer in enumerate(self.layers):
-            ctx_k, ctx_v = cache.k[i][ctx_slots], cache.v[i][ctx_slots]
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, ctx_k, ctx_v, ctx_mask, block_mask)
+            x = layer.input_layernorm(h)
+            if paged is not None:
+                h = h + layer.self_attn.forward_paged(x, cos, sin, cache.k[i], cache.v[i], paged, block_mask)
+            else:
+                ctx_k, ctx_v = cache.k[i][ctx_slots], cache.v[i][ctx_slots]
+                h = h + layer.self_attn(x, cos, sin, ctx_k, ctx_v, ctx_mask, block_mask)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batching import device_context_slots
+from ..attention.paged_merge import draft_context
 from ..forward_batch import CaptureHiddenMode
 from ..graphs.buffers import BufferSpec, Pad, Per
 from ..graphs.runner import StepKind
@@ -80,6 +80,7 @@ class DFlashBlockStep(StepKind):
         pos = b.base[:, None] + j  # [B, S]
         ids = torch.where(j == 0, b.roots[:, None], torch.full_like(pos, cfg.mask_token_id))
         embeds = self.target.embed_tokens(ids) * cfg.input_embedding_scale
-        ctx_slots, ctx_mask = device_context_slots(b.block_tables, b.base, b.block_tables.shape[1] * bs, bs)
-        hidden = self.draft(embeds, pos, ctx_slots, ctx_mask, self.cache, b.block_lens)
+        ctx_slots, ctx_mask, paged = draft_context(b.block_tables, b.base, b.block_tables.shape[1] * bs, self.width,
+                                                   self.cache, embeds)
+        hidden = self.draft(embeds, pos, ctx_slots, ctx_mask, self.cache, b.block_lens, paged=paged)
         return self.target.compute_logits(hidden[:, 1:]) * cfg.output_multiplier

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batching import device_context_slots
+from ..attention.paged_merge import draft_context
 from ..forward_batch import CaptureHiddenMode, ForwardBatch
 from ..graphs.buffers import BufferSpec, Pad, Per
 from ..graphs.runner import StepKind
@@ -109,8 +109,8 @@ class DFlashChainStep(StepKind):
         # draft: the block [root, mask ...] over the whole context (slots past base masked out)
         ids = torch.where(j == 0, s.roots[:, None], torch.full_like(pos, cfg.mask_token_id))
         embeds = self.target.embed_tokens(ids) * cfg.input_embedding_scale
-        ctx_slots, ctx_mask = device_context_slots(s.block_tables, s.base, self.max_blocks * bs, bs)
-        hidden = self.draft(embeds, pos, ctx_slots, ctx_mask, self.cache)
+        ctx_slots, ctx_mask, paged = draft_context(s.block_tables, s.base, self.max_blocks * bs, w, self.cache, embeds)
+        hidden = self.draft(embeds, pos, ctx_slots, ctx_mask, self.cache, paged=paged)
         logits = self.target.compute_logits(hidden[:, 1:]) * cfg.output_multiplier  # [B, S - 1, V]
         flat = logits.reshape(n * (w - 1), -1)
         drafts = greedy_tokens(flat).view(n, w - 1)

@@ -4,10 +4,12 @@ re-ranking (tree.select_tree_nodes) after the step's one copy back.
 
 Static shapes: B requests x K leaves per step, S - 1 draft forwards. Each leaf attends over its request's
 paged draft KV at positions < base (the prefix) and over the loop's own earlier leaves (a dense scratch under
-an ancestor mask, never written to the paged cache). Under capture the prefix is every position the block
-table can hold (masked past base), so one graph serves every context length; eagerly it is the batch's
-longest prefix. The scratch comes first in the key order, so the real keys fall in the same places either
-way and the padding is a masked tail.
+an ancestor mask, never written to the paged cache). On a GPU the split-KV decode kernel reads each request's
+own prefix from the paged cache and its partials merge with the scratch's by log-sum-exp (`PagedPrefix`), so one
+graph serves every context length at the cost of the real prefix. Elsewhere the prefix is gathered: under
+capture every position the block table can hold (masked past base), eagerly the batch's longest prefix; the
+scratch comes first in the key order, so the real keys fall in the same places either way and the padding is a
+masked tail.
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention.paged_merge import PagedPrefix, attend_paged_and_dense, draft_context
 from ..attention.sdpa import sdpa
-from ..batching import device_context_slots
 from ..forward_batch import CaptureHiddenMode
 from ..graphs.buffers import BufferSpec, Pad, Per
 from ..kv import PagedKVCache
@@ -57,13 +59,16 @@ class DraftAttention:
     """Attention of B x W new draft rows over (a) this loop's dense scratch of earlier leaves under an ancestor
     mask and (b) each request's paged draft KV at the prefix slots. Keys are ordered scratch first, then the
     prefix (a padded prefix is a masked tail). With write_slots the new K/V are also written to the paged cache
-    (draft_extend of prefill chunks; slot 0, the dummy block, for padding rows)."""
+    (draft_extend of prefill chunks; slot 0, the dummy block, for padding rows). With `paged` (and Triton) the
+    prefix is not gathered: the split-KV decode kernel attends over it and its partial results are merged with
+    the scratch's by log-sum-exp."""
 
-    def __init__(self, cache: PagedKVCache, prefix_slots: torch.Tensor, prefix_valid: torch.Tensor,
-                 capacity: int, scale: float) -> None:
+    def __init__(self, cache: PagedKVCache, prefix_slots: torch.Tensor | None, prefix_valid: torch.Tensor | None,
+                 capacity: int, scale: float, paged: PagedPrefix | None = None) -> None:
         self.cache = cache
         self.prefix_slots, self.prefix_valid = prefix_slots, prefix_valid
-        self.b = prefix_slots.shape[0]
+        self.paged = paged
+        self.b = prefix_slots.shape[0] if prefix_slots is not None else paged.num_requests
         self.capacity = capacity
         self.scale = scale
         self.block_k: dict[int, torch.Tensor] = {}
@@ -82,10 +87,16 @@ class DraftAttention:
             shape = (b, self.capacity, k.shape[1], k.shape[2])
             self.block_k[layer] = k.new_zeros(shape)
             self.block_v[layer] = v.new_zeros(shape)
-            self.prefix_kv[layer] = (self.cache.k[layer][self.prefix_slots], self.cache.v[layer][self.prefix_slots])
+            if self.paged is None:
+                self.prefix_kv[layer] = (self.cache.k[layer][self.prefix_slots],
+                                         self.cache.v[layer][self.prefix_slots])
         bk, bv = self.block_k[layer], self.block_v[layer]
         bk[:, self.entries] = k.view(b, w, *k.shape[1:])
         bv[:, self.entries] = v.view(b, w, *v.shape[1:])
+        if self.paged is not None:
+            out = attend_paged_and_dense(q, self.cache.k[layer], self.cache.v[layer], self.paged, bk, bv, self.mask,
+                                         self.scale)
+            return out.reshape(b * w, -1)
         pk, pv = self.prefix_kv[layer]
         keys = torch.cat([bk, pk], dim=1).transpose(1, 2)  # [B, Hkv, C + P, D]
         values = torch.cat([bv, pv], dim=1).transpose(1, 2)
@@ -148,8 +159,8 @@ class EagleTreeDraftStep(_DraftStep):
         model, k, steps = self.model, self.topk, self.num_steps
         n, dev = b.base.shape[0], b.base.device
         cap = max(1, (steps - 1) * k)
-        prefix_slots, prefix_valid = device_context_slots(b.block_tables, b.base, prefix_len, self.kv.block_size)
-        attn = DraftAttention(self.kv, prefix_slots, prefix_valid, cap, self.scale)
+        prefix_slots, prefix_valid, paged = draft_context(b.block_tables, b.base, prefix_len, k, self.kv, b.hidden)
+        attn = DraftAttention(self.kv, prefix_slots, prefix_valid, cap, self.scale, paged)
         ancestors = torch.zeros(n, cap, cap, dtype=torch.bool, device=dev)
         rows = torch.arange(n, device=dev)[:, None]
         leaf_scores, leaf_ids = (t[:, 0] for t in pick(b.logits[:, None], 0))  # [B, K]

@@ -1,0 +1,29 @@
+"""Draft attention over the paged prefix (tercel/attention/paged_merge.py): on a GPU the EAGLE tree loop and
+DFlash's block read each request's prefix through the split-KV decode kernel and merge its partials with the
+dense keys beside it (earlier leaves, the block's own rows) by log-sum-exp, where the CPU gathers every prefix
+slot the block table can hold and runs SDPA. Both must give the same rows: checked in Triton's CPU interpreter
+here (fp32: the interpreter multiplies bf16 dot operands wrongly) and natively in bf16 and fp32 by
+tests/test_gpu_graphs.py (kernel_checks.ALL)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its CPU interpreter)")
+@pytest.mark.parametrize("check", ["check_tree_draft_attention", "check_dflash_paged_attention"])
+def test_paged_prefix_attention_equals_the_gathered_one(check):
+    """A padding request with no prefix and (DFlash) a block cut short included; split counts 2 and more."""
+    code = ("import sys, torch; sys.path.insert(0, 'tests'); import kernel_checks as k; "
+            f"k.{check}('cpu', torch.float32); print('paged ok')")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "paged ok" in out.stdout
