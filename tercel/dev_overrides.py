@@ -42,6 +42,9 @@ OVERRIDES: dict[str, EnvOverride] = {
     "TERCEL_SPEC_CHAIN": EnvOverride(
         "1", "0: greedy EAGLE chains run as separate draft / verify / extend graphs instead of one chained "
              "graph step (side-by-side measurements)"),
+    "TERCEL_CPU_Q8": EnvOverride(
+        "1", "0: GGUF 4-bit linears on the CPU (bf16) keep torch's int4 kernel instead of the Q4 x Q8 integer "
+             "kernel (models.cpu_q8; compiled at first use), for side-by-side measurements"),
     "TERCEL_TP_INIT_TIMEOUT": EnvOverride(
         "300", "seconds tensor-parallel ranks wait for each other in torch.distributed's store and "
                "process-group start (slow shared file systems)"),

@@ -159,7 +159,12 @@ class PackedInt4(CpuPackedLinear):
 
 
 def pack_linear(weight: torch.Tensor, blocks: Q4Blocks | None) -> CpuPackedLinear:
-    """4-bit when the weight came as 4-bit blocks of a shape the kernel takes, else dense bf16."""
+    """4-bit when the weight came as 4-bit blocks: the Q4 x Q8 kernel where it built (models.cpu_q8), else
+    torch's int4 kernel for shapes it takes, else dense bf16."""
+    from .cpu_q8 import PackedQ4Q8, q8_available  # cpu_q8 builds on this module
+
+    if blocks is not None and PackedQ4Q8.supports(*blocks.q.shape) and q8_available():
+        return PackedQ4Q8(blocks)
     if blocks is not None and PackedInt4.supports(*blocks.q.shape):
         return PackedInt4(blocks)
     return pack_dense(weight)
@@ -183,7 +188,7 @@ class CpuBf16Support:
         return f"{self.capability}{native}"
 
 
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from /proc/cpuinfo (Linux); empty elsewhere (then torch's capability decides)."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -200,7 +205,7 @@ def cpu_bf16_support() -> CpuBf16Support:
     """Cheap (a 16 x 16 probe and /proc/cpuinfo), cached: the hardware does not change under a process."""
     capability = torch.backends.cpu.get_cpu_capability()
     available = cpu_packing_available()
-    native = bool(_cpu_flags() & {"avx512_bf16", "amx_bf16", "avx_ne_convert"})
+    native = bool(cpu_flags() & {"avx512_bf16", "amx_bf16", "avx_ne_convert"})
     return CpuBf16Support(capability=capability, int4_matmul=available and capability.startswith("AVX"),
                           dense_packing=available and dense_packing_available(), native_bf16=native)
 
