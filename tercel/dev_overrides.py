@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,3 +70,13 @@ def env(name: str) -> str | None:
         raise KeyError(f"{name} is not a documented Tercel environment variable; add it to "
                        f"tercel.dev_overrides.OVERRIDES with its meaning, or make it a setting (tercel.config).")
     return os.environ.get(name, entry.default)
+
+
+def cache_dir() -> Path:
+    """Tercel's cache folder: $TERCEL_CACHE_DIR, else $XDG_CACHE_HOME/tercel, else ~/.cache/tercel (the load
+    cache and the CPU kernels built at first use live there)."""
+    where = env("TERCEL_CACHE_DIR")
+    if where:
+        return Path(where).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "tercel"

@@ -29,8 +29,8 @@ from tercel.models.cpu_linear import (  # noqa: E402
     UnpackedDense,
     cpu_packing_available,
     dense_packing_available,
-    pack_linear,
 )
+from tercel.models.cpu_pack import pack_linear  # noqa: E402
 from tercel.models.cpu_q8 import PackedQ4Q8  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_packing_available(), reason="this torch build lacks oneDNN / int4 CPU matmul")

@@ -20,7 +20,8 @@ from gguf_utils import write_gguf
 
 from tercel import LLM
 from tercel.models import cpu_q8
-from tercel.models.cpu_linear import Q4_GROUP, PackedInt4, Q4Blocks, cpu_packing_available, pack_linear
+from tercel.models.cpu_linear import Q4_GROUP, PackedInt4, Q4Blocks, cpu_packing_available
+from tercel.models.cpu_pack import pack_linear
 from tercel.models.cpu_q8 import PackedQ4Q8, Q8Build, Q8KernelUnavailable
 
 pytestmark = [

@@ -158,18 +158,6 @@ class PackedInt4(CpuPackedLinear):
         return self
 
 
-def pack_linear(weight: torch.Tensor, blocks: Q4Blocks | None) -> CpuPackedLinear:
-    """4-bit when the weight came as 4-bit blocks: the Q4 x Q8 kernel where it built (models.cpu_q8), else
-    torch's int4 kernel for shapes it takes, else dense bf16."""
-    from .cpu_q8 import PackedQ4Q8, q8_available  # cpu_q8 builds on this module
-
-    if blocks is not None and PackedQ4Q8.supports(*blocks.q.shape) and q8_available():
-        return PackedQ4Q8(blocks)
-    if blocks is not None and PackedInt4.supports(*blocks.q.shape):
-        return PackedInt4(blocks)
-    return pack_dense(weight)
-
-
 def cpu_packing_available() -> bool:
     """oneDNN and the int4 CPU matmul ship with torch's CPU builds; a build without them keeps F.linear."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")

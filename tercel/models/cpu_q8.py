@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..dev_overrides import env
+from ..dev_overrides import cache_dir, env
 from .cpu_linear import Q4_GROUP, CpuPackedLinear, Q4Blocks, cpu_flags
 
 log = logging.getLogger(__name__)
@@ -84,10 +84,8 @@ def _build(build: Q8Build) -> None:
 def kernel_error() -> str | None:
     """None when torch.ops.tercel_cpu_q8.q4q8_linear is ready (built once per process, cached on disk across
     processes), else why not. Asked once: a failed build is not retried on every linear."""
-    from ..loader.cache import cache_root
-
     try:
-        _build(Q8Build(source=_SOURCE, root=cache_root(), cflags=_CFLAGS))
+        _build(Q8Build(source=_SOURCE, root=cache_dir(), cflags=_CFLAGS))
     except Q8KernelUnavailable as e:
         return str(e)
     return None

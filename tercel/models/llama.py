@@ -32,7 +32,8 @@ from ..config import ConfigError, ModelConfig
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from ..kernels import SMALL_M_ROWS, fused_decode_enabled, row_bucket, use_triton
 from ..kv import PagedKVCache
-from .cpu_linear import CpuPackedLinear, PackedInt4, Q4Blocks, pack_dense, pack_linear
+from .cpu_linear import CpuPackedLinear, PackedInt4, Q4Blocks, pack_dense
+from .cpu_pack import pack_linear
 from .cpu_q8 import PackedQ4Q8
 from .linear import Linear, linear
 from .rope import RotaryEmbedding, apply_rope
