@@ -92,12 +92,16 @@ def end_to_end(rounds: int, new_tokens: int, threads: int) -> dict:
             got = llm.generate(PROMPT, params)[0].outputs[0].token_ids
             rates[name].append(len(got) / (time.perf_counter() - t))
     ratios = [b / a for a, b in zip(rates["int4"], rates["q8"])]
+    # the tied head (Q8_0 in the GGUF, dense bf16 here): what a Q8 head kernel could still take off a token
+    head, x = llms["q8"].engine.model.lm_head_config, torch.randn(1, 576).to(torch.bfloat16)
+    head_us = time_call(lambda: head(x), 50)
     prefix = next((i for i, (a, b) in enumerate(zip(tokens["int4"], tokens["q8"])) if a != b), len(tokens["q8"]))
     return {"prompt": PROMPT, "new_tokens": new_tokens, "rounds": rounds, "linear_kinds": kinds,
             "tok_s": {name: [round(r, 2) for r in v] for name, v in rates.items()},
             "tok_s_median": {name: round(statistics.median(v), 2) for name, v in rates.items()},
             "speedup_median_of_round_ratios": round(statistics.median(ratios), 3),
-            "greedy_common_prefix": prefix, "greedy_tokens": tokens}
+            "greedy_common_prefix": prefix, "greedy_tokens": tokens,
+            "head": {"kind": type(head).__name__, "us_per_call": round(head_us, 1)}}
 
 
 def main() -> None:
@@ -113,10 +117,14 @@ def main() -> None:
         raise SystemExit(f"the Q4 x Q8 kernel is unavailable: {kernel_error()}")
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c")))
     payload = {"env": environment(), "cpu_flags": flags, "load_average_before": os.getloadavg()[0],
-               "kernel": [asdict(r) for r in kernel_rows(args.rounds, args.calls, 1)]
-               + [asdict(r) for r in kernel_rows(args.rounds, args.calls, 4)]}
+               "kernel": [asdict(r) for rows in (1, 4, 32) for r in kernel_rows(args.rounds, args.calls, rows)]}
     payload["end_to_end"] = end_to_end(args.rounds, args.new_tokens, args.threads)
     payload["load_average_after"] = os.getloadavg()[0]
+    try:
+        import llama_cpp  # noqa: F401
+        payload["llama_cpp"] = "installed: run benchmarks/cpu_vs_llamacpp.py --threads 1 for its figure"
+    except ImportError:
+        payload["llama_cpp"] = "llama-cpp-python is not installed here (a source build): not measured in this run"
     print({k: payload["end_to_end"][k] for k in ("tok_s_median", "speedup_median_of_round_ratios",
                                                  "greedy_common_prefix")})
     print(write_result(args.out, payload))
