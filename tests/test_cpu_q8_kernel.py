@@ -180,3 +180,11 @@ def test_a_model_keeps_it_through_the_load_cache_and_fp32_never_takes_it(tmp_pat
     assert torch.equal(last_logits(second, prompt), want)
     exact = LLM(str(path), dtype="float32", **KW)
     assert not any(isinstance(getattr(m, "gemv", None), PackedQ4Q8) for m in exact.engine.model.modules())
+
+
+def test_torch_compile_traces_it_through_its_shape_only_kernel():
+    lin = PackedQ4Q8(blocks(100, 96, "Q4_1"))
+    x = bf16_values(3, 96).bfloat16()
+    # aot_eager runs the fake (shape-only) kernel while tracing, as Inductor does (--cpu-compile), in seconds
+    compiled = torch.compile(lambda t: lin(t) * 2, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), lin(x) * 2)

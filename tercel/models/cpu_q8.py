@@ -88,6 +88,12 @@ def kernel_error() -> str | None:
         _build(Q8Build(source=_SOURCE, root=cache_dir(), cflags=_CFLAGS))
     except Q8KernelUnavailable as e:
         return str(e)
+
+    # the output's shape for tracing (--cpu-compile): Inductor leaves the call itself to the C++ kernel
+    @torch.library.register_fake("tercel_cpu_q8::q4q8_linear")
+    def _(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
+
     return None
 
 
@@ -106,11 +112,15 @@ def _log_fallback(error: str) -> None:
     log.warning("Q4 x Q8 CPU kernel unavailable, keeping torch's int4 kernel: %s", error)
 
 
-def q4q8_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, n: int) -> torch.Tensor:
-    """y[M, N] = x[M, K] @ W^T, x bf16/fp32 (2-D), W as PackedQ4Q8 lays it out; y in x's dtype."""
+def _require() -> None:
     error = kernel_error()
     if error is not None:
         raise Q8KernelUnavailable(error)
+
+
+def q4q8_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, n: int) -> torch.Tensor:
+    """y[M, N] = x[M, K] @ W^T, x bf16/fp32 (2-D), W as PackedQ4Q8 lays it out; y in x's dtype."""
+    _require()
     return torch.ops.tercel_cpu_q8.q4q8_linear(x, qs, d, m, n)
 
 
@@ -136,6 +146,7 @@ class PackedQ4Q8(CpuPackedLinear):
         if not self.supports(n, k):
             raise ValueError(f"the Q4 x Q8 CPU kernel needs a [N, K] weight with K a multiple of {Q4_GROUP}; "
                              f"got [{n}, {k}] (pack it with PackedInt4 or PackedDense instead).")
+        _require()
         pad = -n % ROW_GROUP
         g, nb = (n + pad) // ROW_GROUP, k // Q4_GROUP
         q = _grouped(blocks.q, pad).view(g, ROW_GROUP, nb, 2, 4, 4)  # group, row, block, half, chunk, byte
@@ -147,7 +158,9 @@ class PackedQ4Q8(CpuPackedLinear):
         self.nbytes = self.qs.numel() + 2 * self.d.numel() * 2
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = q4q8_linear(x.reshape(-1, x.shape[-1]), self.qs, self.d, self.m, self.out_features)
+        # the op itself (built when this was made, see _require): nothing else for torch.compile to trace
+        y = torch.ops.tercel_cpu_q8.q4q8_linear(x.reshape(-1, x.shape[-1]), self.qs, self.d, self.m,
+                                                self.out_features)
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], self.out_features)
@@ -157,6 +170,7 @@ class PackedQ4Q8(CpuPackedLinear):
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "PackedQ4Q8":
+        _require()
         self = cls.__new__(cls)
         self.qs, self.d, self.m = tensors["qs"], tensors["d"], tensors["m"]
         self.out_features = int(tensors["n"])

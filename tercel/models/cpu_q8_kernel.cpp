@@ -198,6 +198,11 @@ at::Tensor q4q8_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::T
 
 }  // namespace
 
+// the schema here, the CPU kernel below; cpu_q8.py registers the shape-only (fake) kernel torch.compile traces
 TORCH_LIBRARY(tercel_cpu_q8, lib) {
-  lib.def("q4q8_linear(Tensor x, Tensor qs, Tensor d, Tensor m, int n) -> Tensor", &q4q8_linear);
+  lib.def("q4q8_linear(Tensor x, Tensor qs, Tensor d, Tensor m, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tercel_cpu_q8, CPU, lib) {
+  lib.impl("q4q8_linear", &q4q8_linear);
 }
