@@ -116,7 +116,8 @@ def main() -> None:
     if kernel_error() is not None:
         raise SystemExit(f"the Q4 x Q8 kernel is unavailable: {kernel_error()}")
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c")))
-    payload = {"env": environment(), "cpu_flags": flags, "load_average_before": os.getloadavg()[0],
+    payload = {"env": environment(), "cpu_flags": flags, "cpu_affinity": sorted(os.sched_getaffinity(0)),
+               "load_average_before": os.getloadavg()[0],
                "kernel": [asdict(r) for rows in (1, 4, 32) for r in kernel_rows(args.rounds, args.calls, rows)]}
     payload["end_to_end"] = end_to_end(args.rounds, args.new_tokens, args.threads)
     payload["load_average_after"] = os.getloadavg()[0]
