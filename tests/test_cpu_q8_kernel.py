@@ -188,3 +188,16 @@ def test_torch_compile_traces_it_through_its_shape_only_kernel():
     # aot_eager runs the fake (shape-only) kernel while tracing, as Inductor does (--cpu-compile), in seconds
     compiled = torch.compile(lambda t: lin(t) * 2, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), lin(x) * 2)
+
+
+def test_threads_split_n_without_changing_a_bit():
+    lin = PackedQ4Q8(blocks(1000, 256, "Q4_0", seed=6))  # 125 row groups: several threads' worth
+    x = bf16_values(5, 256)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = lin(x)
+        torch.set_num_threads(2)
+        assert torch.equal(lin(x), one)
+    finally:
+        torch.set_num_threads(before)
