@@ -201,3 +201,8 @@ def test_threads_split_n_without_changing_a_bit():
         assert torch.equal(lin(x), one)
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_missing_source_is_a_clear_error(tmp_path):
+    with pytest.raises(Q8KernelUnavailable, match="source .* is missing.*TERCEL_CPU_Q8=0"):
+        cpu_q8._build(Q8Build(source=tmp_path / "gone.cpp", root=tmp_path, cflags=cpu_q8._CFLAGS))

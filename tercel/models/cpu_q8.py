@@ -63,6 +63,9 @@ def _build(build: Q8Build) -> None:
     if missing:
         raise Q8KernelUnavailable(f"the Q4 x Q8 CPU kernel needs {sorted(_NEEDED_FLAGS)}; this CPU lacks "
                                   f"{sorted(missing)} (set TERCEL_CPU_Q8=0 to silence this).")
+    if not build.source.is_file():
+        raise Q8KernelUnavailable(f"the Q4 x Q8 CPU kernel's source {build.source} is missing (an install without "
+                                  f"package data?): reinstall tercel, or set TERCEL_CPU_Q8=0.")
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise Q8KernelUnavailable("the Q4 x Q8 CPU kernel is compiled at first use and no C++ compiler was found "
                                   "(CXX or c++ on PATH): install g++ or clang++, or set TERCEL_CPU_Q8=0.")
