@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,9 @@ OVERRIDES: dict[str, EnvOverride] = {
     "TERCEL_SPEC_CHAIN": EnvOverride(
         "1", "0: greedy EAGLE chains run as separate draft / verify / extend graphs instead of one chained "
              "graph step (side-by-side measurements)"),
+    "TERCEL_CPU_Q8": EnvOverride(
+        "1", "0: GGUF 4-bit linears on the CPU (bf16) keep torch's int4 kernel instead of the Q4 x Q8 integer "
+             "kernel (models.cpu_q8; compiled at first use), for side-by-side measurements"),
     "TERCEL_TP_INIT_TIMEOUT": EnvOverride(
         "300", "seconds tensor-parallel ranks wait for each other in torch.distributed's store and "
                "process-group start (slow shared file systems)"),
@@ -70,3 +74,13 @@ def env(name: str) -> str | None:
         raise KeyError(f"{name} is not a documented Tercel environment variable; add it to "
                        f"tercel.dev_overrides.OVERRIDES with its meaning, or make it a setting (tercel.config).")
     return os.environ.get(name, entry.default)
+
+
+def cache_dir() -> Path:
+    """Tercel's cache folder: $TERCEL_CACHE_DIR, else $XDG_CACHE_HOME/tercel, else ~/.cache/tercel (the load
+    cache and the CPU kernels built at first use live there)."""
+    where = env("TERCEL_CACHE_DIR")
+    if where:
+        return Path(where).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "tercel"

@@ -19,6 +19,7 @@ from tercel.config import ModelLoadConfig  # noqa: E402
 from tercel.loader import model_loader  # noqa: E402
 from tercel.loader.model_loader import read_checkpoint, resolve_dtype  # noqa: E402
 from tercel.models.cpu_linear import CpuBf16Support, PackedInt4, cpu_packing_available  # noqa: E402
+from tercel.models.cpu_q8 import PackedQ4Q8  # noqa: E402
 
 CPU = torch.device("cpu")
 AVX2 = CpuBf16Support(capability="AVX2", int4_matmul=True, dense_packing=False, native_bf16=False)
@@ -89,8 +90,9 @@ def test_the_engine_logs_its_choice_at_start(tiny_files, monkeypatch, caplog, cp
     assert len(lines) == 1 and lines[0] == llm.engine.dtype_note
     if cpu is AVX2:
         assert llm.engine.dtype == torch.bfloat16 and "bfloat16 on CPU" in lines[0] and "--dtype float32" in lines[0]
-        packed = [m for m in llm.engine.model.modules() if isinstance(getattr(m, "gemv", None), PackedInt4)]
-        assert packed, "the Q4_1 matrices should run through the int4 matmul"
+        four_bit = (PackedQ4Q8, PackedInt4)
+        packed = [m for m in llm.engine.model.modules() if isinstance(getattr(m, "gemv", None), four_bit)]
+        assert packed, "the Q4_1 matrices should stay 4-bit (the Q4 x Q8 kernel, else torch's int4 matmul)"
     else:
         assert llm.engine.dtype == torch.float32 and "float32 on CPU" in lines[0]
     out = llm.generate([[1, 2, 3]], _greedy(4))[0].outputs[0].token_ids

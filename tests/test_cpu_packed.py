@@ -29,13 +29,15 @@ from tercel.models.cpu_linear import (  # noqa: E402
     UnpackedDense,
     cpu_packing_available,
     dense_packing_available,
-    pack_linear,
 )
+from tercel.models.cpu_pack import pack_linear  # noqa: E402
+from tercel.models.cpu_q8 import PackedQ4Q8  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_packing_available(), reason="this torch build lacks oneDNN / int4 CPU matmul")
 transformers.logging.set_verbosity_error()
 # what a dense bf16 weight becomes on this CPU: oneDNN packs bf16 only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT
 DENSE = PackedDense if dense_packing_available() else UnpackedDense
+FOUR_BIT = (PackedQ4Q8, PackedInt4)  # a 4-bit matrix stays 4-bit: the Q4 x Q8 kernel where it built, else torch's
 
 TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.05,
@@ -104,7 +106,8 @@ def test_packed_int4_equals_the_dense_matmul_up_to_bf16(rows):
     assert (out.float() - true).abs().max() <= 2e-2 * true.abs().max()
 
 
-def test_shapes_the_int4_kernel_cannot_take_are_packed_dense():
+def test_shapes_the_int4_kernel_cannot_take_are_packed_dense(monkeypatch):
+    monkeypatch.setenv("TERCEL_CPU_Q8", "0")  # torch's int4 kernel (the Q4 x Q8 one takes any N)
     odd = Q4Blocks(torch.zeros(100, 64, dtype=torch.uint8), torch.ones(100, 2), torch.zeros(100, 2))  # 100 % 16
     with pytest.raises(ValueError, match=r"\[100, 64\]"):
         PackedInt4(odd)
@@ -141,10 +144,10 @@ def test_without_bf16_packing_dense_weights_run_through_f_linear(monkeypatch, ti
     packed = pack_linear(w, None)
     assert isinstance(packed, UnpackedDense) and packed.weight.data_ptr() == w.data_ptr()  # no copy
     assert torch.equal(packed(x), torch.nn.functional.linear(x, w))
-    assert isinstance(pack_linear(torch.zeros(96, 64), _blocks(96, 64)), PackedInt4)  # 4-bit needs no oneDNN
+    assert isinstance(pack_linear(torch.zeros(96, 64), _blocks(96, 64)), FOUR_BIT)  # 4-bit needs no oneDNN
     ref, q4 = _tiny(tiny_gguf["Q4_0"], "float32"), _tiny(tiny_gguf["Q4_0"], "bfloat16")
     assert isinstance(q4.engine.model.lm_head_gemv, UnpackedDense)
-    assert isinstance(q4.engine.model.layers[0].self_attn.qkv_proj.gemv, PackedInt4)
+    assert isinstance(q4.engine.model.layers[0].self_attn.qkv_proj.gemv, FOUR_BIT)
     for ids in PROMPTS:
         want = last_logits(ref, ids)
         assert (last_logits(q4, ids) - want).abs().max() <= 0.03 * want.abs().max()
@@ -160,7 +163,7 @@ def test_bf16_model_keeps_4bit_weights_and_is_as_close_to_fp32_as_dense_bf16(tin
     path = tiny_gguf[qtype]
     ref, q4, dense = _tiny(path, "float32"), _tiny(path, "bfloat16"), _tiny(path, "bfloat16", dequantize_gguf=True)
     layer = q4.engine.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj.gemv, PackedInt4) and isinstance(layer.mlp.down_proj.gemv, PackedInt4)
+    assert isinstance(layer.self_attn.qkv_proj.gemv, FOUR_BIT) and isinstance(layer.mlp.down_proj.gemv, FOUR_BIT)
     assert layer.self_attn.qkv_proj.weight.numel() == 0  # the dense copy is dropped
     assert isinstance(q4.engine.model.lm_head_gemv, DENSE)  # the Q8_0 tied head: dense bf16
     assert isinstance(dense.engine.model.layers[0].self_attn.qkv_proj.gemv, DENSE)

@@ -16,6 +16,7 @@ from tercel import LLM
 from tercel.loader import cache, gguf_file, model_loader
 from tercel.models import cpu_linear
 from tercel.models.cpu_linear import PackedInt4
+from tercel.models.cpu_q8 import PackedQ4Q8
 
 pytestmark = pytest.mark.skipif(not cpu_linear.cpu_packing_available(),
                                 reason="this torch build lacks oneDNN / int4 CPU matmul")
@@ -52,13 +53,13 @@ def test_a_cached_start_reads_nothing_from_the_gguf_and_runs_the_same_model(tiny
     first = LLM(str(tiny_q4), **KW)
     want = last_logits(first, PROMPT)
     entry = cache.entry_dir(tiny_q4)
-    assert (entry / "metadata.json").is_file() and list(entry.glob("prepared-bfloat16-q4-*.pt"))
+    assert (entry / "metadata.json").is_file() and list(entry.glob("prepared-bfloat16-q4*-*.pt"))
     # a later start: no GGUF header parse, no tensor read, no int4 packing
     _forbid(monkeypatch, "gguf_file.open_reader", "gguf_file.iter_gguf_tensors", "gguf_file.iter_q4_weights")
     monkeypatch.setattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None, raising=False)
     second = LLM(str(tiny_q4), **KW)
     assert second.engine.dtype == torch.bfloat16 and second.engine.dtype_note == first.engine.dtype_note
-    assert isinstance(second.engine.model.layers[0].mlp.down_proj.gemv, PackedInt4)
+    assert isinstance(second.engine.model.layers[0].mlp.down_proj.gemv, (PackedQ4Q8, PackedInt4))
     assert torch.equal(last_logits(second, PROMPT), want)
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..dev_overrides import env
+from ..dev_overrides import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +28,7 @@ CACHE_FORMAT = 1
 
 
 def cache_root() -> Path:
-    where = env("TERCEL_CACHE_DIR")
-    if where:
-        return Path(where).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "tercel"
+    return cache_dir()
 
 
 def entry_dir(checkpoint: Path) -> Path:

@@ -14,16 +14,20 @@ import torch
 from torch import nn
 
 from ..models.cpu_linear import CpuPackedLinear, PackedDense, PackedInt4, UnpackedDense, cpu_bf16_support, pack_dense
+from ..models.cpu_q8 import LAYOUT, PackedQ4Q8, q8_available
 from .cache import CACHE_FORMAT, write_atomically
 
 log = logging.getLogger(__name__)
 
-_KINDS: dict[str, type[CpuPackedLinear]] = {"int4": PackedInt4, "dense": UnpackedDense, "onednn": PackedDense}
+_KINDS: dict[str, type[CpuPackedLinear]] = {"int4": PackedInt4, "q4q8": PackedQ4Q8, "dense": UnpackedDense,
+                                            "onednn": PackedDense}
 
 
 def prepared_file(entry: Path, dtype: torch.dtype, keep_q4: bool) -> Path:
     cpu = cpu_bf16_support()
-    tag = f"{str(dtype).removeprefix('torch.')}-{'q4' if keep_q4 else 'dense'}-torch{torch.__version__}-" \
+    # which 4-bit kernel packed it (Q4 x Q8 or torch's int4) is part of the name: TERCEL_CPU_Q8 picks the file
+    q4 = 'dense' if not keep_q4 else f'q4q8v{LAYOUT}' if dtype == torch.bfloat16 and q8_available() else 'q4'
+    tag = f"{str(dtype).removeprefix('torch.')}-{q4}-torch{torch.__version__}-" \
           f"{cpu.capability}{'-onednn' if cpu.dense_packing else ''}"
     return entry / f"prepared-{''.join(c if c.isalnum() or c in '.-_' else '_' for c in tag)}.pt"
 

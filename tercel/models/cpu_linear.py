@@ -158,13 +158,6 @@ class PackedInt4(CpuPackedLinear):
         return self
 
 
-def pack_linear(weight: torch.Tensor, blocks: Q4Blocks | None) -> CpuPackedLinear:
-    """4-bit when the weight came as 4-bit blocks of a shape the kernel takes, else dense bf16."""
-    if blocks is not None and PackedInt4.supports(*blocks.q.shape):
-        return PackedInt4(blocks)
-    return pack_dense(weight)
-
-
 def cpu_packing_available() -> bool:
     """oneDNN and the int4 CPU matmul ship with torch's CPU builds; a build without them keeps F.linear."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
@@ -183,7 +176,7 @@ class CpuBf16Support:
         return f"{self.capability}{native}"
 
 
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from /proc/cpuinfo (Linux); empty elsewhere (then torch's capability decides)."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -200,7 +193,7 @@ def cpu_bf16_support() -> CpuBf16Support:
     """Cheap (a 16 x 16 probe and /proc/cpuinfo), cached: the hardware does not change under a process."""
     capability = torch.backends.cpu.get_cpu_capability()
     available = cpu_packing_available()
-    native = bool(_cpu_flags() & {"avx512_bf16", "amx_bf16", "avx_ne_convert"})
+    native = bool(cpu_flags() & {"avx512_bf16", "amx_bf16", "avx_ne_convert"})
     return CpuBf16Support(capability=capability, int4_matmul=available and capability.startswith("AVX"),
                           dense_packing=available and dense_packing_available(), native_bf16=native)
 

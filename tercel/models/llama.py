@@ -32,7 +32,9 @@ from ..config import ConfigError, ModelConfig
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from ..kernels import SMALL_M_ROWS, fused_decode_enabled, row_bucket, use_triton
 from ..kv import PagedKVCache
-from .cpu_linear import CpuPackedLinear, PackedInt4, Q4Blocks, pack_dense, pack_linear
+from .cpu_linear import CpuPackedLinear, PackedInt4, Q4Blocks, pack_dense
+from .cpu_pack import pack_linear
+from .cpu_q8 import PackedQ4Q8
 from .linear import Linear, linear
 from .rope import RotaryEmbedding, apply_rope
 
@@ -350,7 +352,7 @@ class LlamaForCausalLM(nn.Module):
         def pack(module: Linear, parts: list[str]) -> CpuPackedLinear:
             blocks = [q4.get(p) for p in parts]
             packed = pack_linear(module.weight, Q4Blocks.cat(blocks) if all(b is not None for b in blocks) else None)
-            if isinstance(packed, PackedInt4):
+            if isinstance(packed, (PackedInt4, PackedQ4Q8)):
                 module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
             return packed
 
