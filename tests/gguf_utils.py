@@ -133,3 +133,20 @@ def write_gguf(path: str | Path, state_dict: Mapping[str, torch.Tensor], config:
     w.write_tensors_to_file()
     w.close()
     return expected
+
+
+TINY_LLAMA = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.05, tie_word_embeddings=True)
+
+
+def tiny_q4_gguf(directory: Path) -> Path:
+    """A tiny Llama with random weights (seed 0) as a Q4_1 GGUF (its embedding Q8_0) in directory."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(**TINY_LLAMA)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    sd = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    path = Path(directory) / "tiny-Q4_1.gguf"
+    write_gguf(path, sd, cfg, "llama", "Q4_1", qtypes={"model.embed_tokens.weight": "Q8_0"})
+    return path

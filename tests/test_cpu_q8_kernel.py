@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 from conftest import last_logits
-from gguf_utils import write_gguf
+from gguf_utils import tiny_q4_gguf
 
 from tercel import LLM
 from tercel.models import cpu_q8
@@ -157,19 +157,12 @@ def test_the_switch_keeps_torchs_int4_kernel(monkeypatch):
     assert isinstance(pack_linear(torch.zeros(96, 64), b), PackedInt4)
 
 
-TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.05, tie_word_embeddings=True)
 KW = dict(device="cpu", skip_tokenizer_init=True, progress=False, max_model_len=64)
 
 
 def test_a_model_keeps_it_through_the_load_cache_and_fp32_never_takes_it(tmp_path, monkeypatch):
     monkeypatch.setenv("TERCEL_CACHE_DIR", str(tmp_path / "cache"))
-    cfg = transformers.LlamaConfig(**TINY)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    sd = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
-    path = tmp_path / "tiny-Q4_1.gguf"
-    write_gguf(path, sd, cfg, "llama", "Q4_1", qtypes={"model.embed_tokens.weight": "Q8_0"})
+    path = tiny_q4_gguf(tmp_path)
     prompt = [3, 17, 200, 45, 9]
     first = LLM(str(path), dtype="bfloat16", **KW)
     assert isinstance(first.engine.model.layers[0].mlp.down_proj.gemv, PackedQ4Q8)

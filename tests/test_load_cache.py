@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 from conftest import last_logits
-from gguf_utils import write_gguf
+from gguf_utils import tiny_q4_gguf
 
 from tercel import LLM
 from tercel.loader import cache, gguf_file, model_loader
@@ -21,8 +21,6 @@ from tercel.models.cpu_q8 import PackedQ4Q8
 pytestmark = pytest.mark.skipif(not cpu_linear.cpu_packing_available(),
                                 reason="this torch build lacks oneDNN / int4 CPU matmul")
 transformers.logging.set_verbosity_error()
-TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.05, tie_word_embeddings=True)
 PROMPT = [3, 17, 200, 45, 9]
 KW = dict(dtype="bfloat16", device="cpu", skip_tokenizer_init=True, progress=False, max_model_len=64)
 
@@ -31,13 +29,7 @@ KW = dict(dtype="bfloat16", device="cpu", skip_tokenizer_init=True, progress=Fal
 def tiny_q4(tmp_path, monkeypatch):
     """A tiny Q4_1 Llama GGUF and an empty cache of its own."""
     monkeypatch.setenv("TERCEL_CACHE_DIR", str(tmp_path / "cache"))
-    cfg = transformers.LlamaConfig(**TINY)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    sd = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
-    path = tmp_path / "tiny-Q4_1.gguf"
-    write_gguf(path, sd, cfg, "llama", "Q4_1", qtypes={"model.embed_tokens.weight": "Q8_0"})
-    return path
+    return tiny_q4_gguf(tmp_path)
 
 
 def _forbid(monkeypatch, *names: str) -> None:
