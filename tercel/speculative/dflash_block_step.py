@@ -4,9 +4,10 @@ logits [B, S - 1, V] stay on the device for DDTREE's tree building (or an unchai
 Near a request's end its block is shorter (block_lens: the rows past it are no keys), as the reference
 drafts, through a mask, so the shape stays static.
 
-Under capture the context is every position the block table can hold (masked past base), so one graph
-serves every context length; eagerly it is what the batch's tables hold. The draft's attention puts the
-block's keys before the context's (models/dflash.py), so the padding is a masked tail either way.
+On a GPU the context is read from the paged cache by the split-KV kernel (attention/paged_merge.py), so one
+graph serves every context length at the cost of the real context. Elsewhere it is gathered: under capture every
+position the block table can hold (masked past base), eagerly what the batch's tables hold; the draft's attention
+puts the block's keys before the context's (models/dflash.py), so the padding is a masked tail either way.
 """
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
 """The whole greedy DFLASH step as one step kind (like the EAGLE chain, chain.py): the block forward, verify,
 accept and the context injection on the device, the request state carried in the graph's own buffers.
 
-Per request the state is (root token, base = the root's position): the draft's context cache holds the
-target's states of positions [0, base). One replay runs the draft over the block [root, mask, ..., mask] at
-base .. base + S - 1 (attending to the whole context, masked past base: the graph reads every slot its block
-table could hold), takes the block's top-1 drafts, verifies root + drafts through the target (S rows, FULL
-hidden capture of the draft's target layers), accepts the longest matching prefix plus the bonus token,
-injects the target's states of the root and the accepted drafts into the context cache (the other rows write
-the dummy slot) and writes the next state back into its input buffers. So consecutive steps of an unchanged
-batch replay with nothing staged, under the same chain loop as EAGLE's (chain_loop.py).
+Per request the state is (root token, base = the root's position): the draft's context cache holds the target's
+states of positions [0, base). One replay runs the draft over the block [root, mask, ..., mask] at base .. base
++ S - 1 (attending to the context [0, base): on a GPU through the paged split-KV kernel, else over every slot
+its block table could hold, masked past base), takes the block's top-1 drafts, verifies root + drafts through
+the target (S rows, FULL hidden capture of the draft's target layers), accepts the longest matching prefix plus
+the bonus token, injects the target's states of the root and the accepted drafts into the context cache (the
+other rows write the dummy slot) and writes the next state back into its input buffers. So consecutive steps of
+an unchanged batch replay with nothing staged, under the same chain loop as EAGLE's (chain_loop.py).
 
 A shorter block near a request's max_tokens (the eager path's block_lens) is not needed here: drafts past
 max_tokens are verified and never emitted.
@@ -106,7 +106,7 @@ class DFlashChainStep(StepKind):
         cfg = self.draft.config
         j = torch.arange(w, device=dev)
         pos = s.base[:, None] + j  # [B, S]
-        # draft: the block [root, mask ...] over the whole context (slots past base masked out)
+        # draft: the block [root, mask ...] over the context (GPU: paged; else the table's slots, past base masked)
         ids = torch.where(j == 0, s.roots[:, None], torch.full_like(pos, cfg.mask_token_id))
         embeds = self.target.embed_tokens(ids) * cfg.input_embedding_scale
         ctx_slots, ctx_mask, paged = draft_context(s.block_tables, s.base, self.max_blocks * bs, w, self.cache, embeds)
