@@ -29,7 +29,11 @@ from .cpu_linear import Q4_GROUP, CpuPackedLinear, Q4Blocks, cpu_flags
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_q8_kernel.cpp")
-_CFLAGS = ("-O3", "-march=native", "-mavx2", "-mfma", "-mf16c")
+# built into the same library beside _SOURCE: the shared core and the fused decoder layer (models.cpu_fused)
+_COMPANIONS = ("cpu_q8_kernel.h", "cpu_layer_kernel.cpp")
+# -fopenmp: at::parallel_for is a header template, serial unless the extension itself is built with OpenMP (it
+# then shares torch's libgomp, so --threads holds)
+_CFLAGS = ("-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 _NEEDED_FLAGS = frozenset({"avx2", "fma", "f16c"})  # the kernel's instructions (VNNI only where -march=native has it)
 
 
@@ -44,9 +48,13 @@ class Q8Build:
     root: Path
     cflags: tuple[str, ...]
 
+    def files(self) -> list[Path]:
+        return [self.source, *(self.source.with_name(name) for name in _COMPANIONS)]
+
     def key(self) -> str:
         flags = " ".join(sorted(cpu_flags()))
-        text = "|".join([self.source.read_text(), torch.__version__, " ".join(self.cflags), flags])
+        texts = [f.read_text() for f in self.files()]
+        text = "|".join([*texts, torch.__version__, " ".join(self.cflags), flags])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def directory(self) -> Path:
@@ -63,8 +71,9 @@ def _build(build: Q8Build) -> None:
     if missing:
         raise Q8KernelUnavailable(f"the Q4 x Q8 CPU kernel needs {sorted(_NEEDED_FLAGS)}; this CPU lacks "
                                   f"{sorted(missing)} (set TERCEL_CPU_Q8=0 to silence this).")
-    if not build.source.is_file():
-        raise Q8KernelUnavailable(f"the Q4 x Q8 CPU kernel's source {build.source} is missing (an install without "
+    gone = [f for f in build.files() if not f.is_file()]
+    if gone:
+        raise Q8KernelUnavailable(f"the Q4 x Q8 CPU kernel's source {gone[0]} is missing (an install without "
                                   f"package data?): reinstall tercel, or set TERCEL_CPU_Q8=0.")
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise Q8KernelUnavailable("the Q4 x Q8 CPU kernel is compiled at first use and no C++ compiler was found "
@@ -74,8 +83,8 @@ def _build(build: Q8Build) -> None:
     where = build.directory()
     where.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(name=f"tercel_cpu_q8_{build.key()}", sources=[str(build.source)],
-                           extra_cflags=list(build.cflags), build_directory=str(where), is_python_module=False,
+        cpp_extension.load(name=f"tercel_cpu_q8_{build.key()}", sources=[str(f) for f in build.files() if f.suffix == ".cpp"],
+                           extra_cflags=list(build.cflags), extra_ldflags=["-fopenmp"], build_directory=str(where), is_python_module=False,
                            verbose=False)
     except Exception as e:  # a compiler error, a missing ninja, an unwritable cache folder
         raise Q8KernelUnavailable(f"could not build the Q4 x Q8 CPU kernel in {where} ({type(e).__name__}: "

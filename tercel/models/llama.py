@@ -32,6 +32,7 @@ from ..config import ConfigError, ModelConfig
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from ..kernels import SMALL_M_ROWS, fused_decode_enabled, row_bucket, use_triton
 from ..kv import PagedKVCache
+from .cpu_fused import CpuFusedLayers
 from .cpu_linear import CpuPackedLinear, PackedInt4, Q4Blocks, pack_dense
 from .cpu_pack import pack_linear
 from .cpu_q8 import PackedQ4Q8
@@ -207,6 +208,9 @@ class LlamaForCausalLM(nn.Module):
         # tensor parallelism (tercel.distributed.layers.TensorParallel): this model then holds one rank's
         # shard and forwards through _forward_tp; None (one process) leaves every path below unchanged
         self.tp = None
+        # CPU: the decoder layers as one C++ call each (models.cpu_fused), decided at the first CPU forward,
+        # once the linears are packed; False until then
+        self.cpu_fused: CpuFusedLayers | None | bool = False
 
     def init_buffers(self, device: torch.device) -> None:
         """The RoPE tables, computed on device (after a meta-device build and `to_empty`)."""
@@ -265,6 +269,11 @@ class LlamaForCausalLM(nn.Module):
         """attn_meta: metadata prepared by the caller (graph capture: attn_backend.capture_metadata)."""
         if self.tp is not None:
             return self._forward_tp(batch, kv, input_embeds, attn_meta)
+        if batch.input_ids.device.type == "cpu":
+            if self.cpu_fused is False:
+                self.cpu_fused = CpuFusedLayers.build(self)
+            if self.cpu_fused is not None and self.cpu_fused.unsupported(batch) is None:
+                return self.cpu_fused.forward(batch, kv, input_embeds)
         meta = attn_meta if attn_meta is not None else self.attn_backend.prepare(batch, kv.block_size)
         h = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
         mode = batch.capture_hidden_mode

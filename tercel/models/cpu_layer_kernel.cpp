@@ -1,0 +1,238 @@
+// One Llama-family decoder layer on the CPU in one call: the decode / verify step's whole layer (RMSNorm, the
+// fused q/k/v projection, optional q/k RMSNorm, RoPE, the K/V store, attention over the paged cache, the output
+// projection and residual add, RMSNorm, gate/up, SwiGLU, down and residual add) as C++ loops around the Q4 x Q8
+// matmuls of cpu_q8_kernel.h. An eager layer is ~60 torch ops and their Python; at a 135M model's size that,
+// not the matmuls, was most of a CPU token. Built with cpu_q8_kernel.cpp (tercel/models/cpu_q8.py) and
+// registered as torch.ops.tercel_cpu_q8.decoder_layer; tercel/models/cpu_fused.py calls it.
+//
+// Numerics: the residual stream and every activation stay fp32 (the eager bf16 path rounds to bf16 after each
+// op); the matmul inputs are quantised to Q8 as in q4q8_linear; K/V are stored in the cache's dtype. Each row's
+// result depends on its own row and the cache only, so a verify of t rows computes what t decodes would.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "cpu_q8_kernel.h"
+
+namespace {
+
+using namespace tercel_q8;
+
+// Where each weight sits in the layer's tensor list (cpu_fused.py builds it in this order); an absent bias or
+// q/k norm is an empty tensor.
+enum Slot : int {
+  kNorm1, kQkvQs, kQkvD, kQkvM, kQkvBias, kQNorm, kKNorm, kOQs, kOD, kOM, kOBias,
+  kNorm2, kGuQs, kGuD, kGuM, kGuBias, kDnQs, kDnD, kDnM, kDnBias, kNumSlots
+};
+// dims: hidden, num_heads, num_kv_heads, head_dim, intermediate, sliding_window (0: none)
+enum Dim : int { kHidden, kHeads, kKvHeads, kHeadDim, kInter, kWindow, kNumDims };
+
+struct Proj {
+  Weights w;
+  int64_t n;
+  const float* bias;  // null: none
+};
+
+const float* optional_f32(const at::Tensor& t) { return t.numel() ? t.data_ptr<float>() : nullptr; }
+
+Proj proj(at::TensorList t, int qs, int64_t k, int64_t n) {
+  const int64_t nb = k / kBlock, groups = (n + 7) / 8;
+  TORCH_CHECK(t[qs].numel() == groups * nb * 128 && t[qs + 1].numel() == groups * nb * 8 &&
+                  t[qs + 2].numel() == groups * nb * 8,
+              "decoder_layer: weight ", qs, " does not hold a [", n, ", ", k, "] Q4 matrix");
+  return Proj{Weights{t[qs].data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(t[qs + 1].data_ptr<at::Half>()),
+                      reinterpret_cast<const uint16_t*>(t[qs + 2].data_ptr<at::Half>()), nb},
+              n, optional_f32(t[qs + 3])};
+}
+
+// y[M, n] = x[M, k] @ W^T (+ bias)
+void project(const float* x, int64_t M, int64_t k, const Proj& p, QuantizedRows& q, float* y) {
+  q.quantize(x, M, k);
+  matmul_q8(q.acts(), M, p.w, p.n, y);
+  if (p.bias)
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t i = 0; i < p.n; ++i) y[r * p.n + i] += p.bias[i];
+}
+
+void rms_norm(const float* x, int64_t n, const float* w, float eps, float* out) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
+}
+
+// HF's rotate-half RoPE in place on one head: x * cos + cat(-x2, x1) * sin
+void rope(float* x, const float* cos, const float* sin, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+inline float to_f32(float v) { return v; }
+inline float to_f32(at::BFloat16 v) {  // the bit shift spelled out, so the loops below vectorise
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+struct Rows {  // the step's rows: which request, how many keys each sees, the rotary rows
+  const int64_t* slots;    // [M] KV slot each row's K/V goes to
+  const int64_t* req;      // [M] the row's request
+  const int64_t* kv_len;   // [M] keys the row sees: positions [kv_len - window, kv_len) of its request
+  const int64_t* tables;   // [B, W] block tables
+  int64_t table_width, block_size;
+  const float* cos_sin;    // [M, 2 * head_dim]
+};
+
+// out[M, H * D] = attention of q over each row's keys in the paged cache (fp32 scores and sums)
+template <typename C>
+void attend(const float* qkv, int64_t M, const int64_t* dims, float scale, const Rows& rows, const C* k_cache,
+            const C* v_cache, float* out) {
+  const int64_t H = dims[kHeads], Hkv = dims[kKvHeads], D = dims[kHeadDim], window = dims[kWindow];
+  const int64_t group = H / Hkv, width = (H + 2 * Hkv) * D;
+  int64_t longest = 1;
+  for (int64_t r = 0; r < M; ++r) longest = std::max(longest, rows.kv_len[r]);
+  // one item per (row, query head); short contexts run on one thread
+  const int64_t grain = std::max<int64_t>(1, 16384 / (longest * D));
+  at::parallel_for(0, M * H, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(longest);
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t r = item / H, head = item % H, kh = head / group;
+      const int64_t end = rows.kv_len[r], start = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+      const int64_t n = end - start;
+      const int64_t* table = rows.tables + rows.req[r] * rows.table_width;
+      const float* q = qkv + r * width + head * D;
+      auto slot = [&](int64_t j) {
+        const int64_t pos = start + j;
+        return (table[pos / rows.block_size] * rows.block_size + pos % rows.block_size) * Hkv + kh;
+      };
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < n; ++j) {
+        const C* kp = k_cache + slot(j) * D;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < D; ++d) s += q[d] * to_f32(kp[d]);
+        scores[j] = s * scale;
+        mx = std::max(mx, scores[j]);
+      }
+      float sum = 0.f;
+      for (int64_t j = 0; j < n; ++j) sum += (scores[j] = std::exp(scores[j] - mx));
+      const float inv = 1.0f / sum;
+      float* o = out + r * H * D + head * D;
+      std::fill(o, o + D, 0.f);
+      for (int64_t j = 0; j < n; ++j) {
+        const C* vp = v_cache + slot(j) * D;
+        const float p = scores[j] * inv;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] += p * to_f32(vp[d]);
+      }
+    }
+  });
+}
+
+template <typename C>
+void layer(float* h, int64_t M, at::TensorList t, const int64_t* dims, float eps, float scale,
+           const Rows& rows, C* k_cache, C* v_cache) {
+  const int64_t Hd = dims[kHidden], H = dims[kHeads], Hkv = dims[kKvHeads], D = dims[kHeadDim], I = dims[kInter];
+  const int64_t width = (H + 2 * Hkv) * D;
+  const Proj qkv = proj(t, kQkvQs, Hd, width), o = proj(t, kOQs, H * D, Hd);
+  const Proj gate_up = proj(t, kGuQs, Hd, 2 * I), down = proj(t, kDnQs, I, Hd);
+  const float *norm1 = t[kNorm1].data_ptr<float>(), *norm2 = t[kNorm2].data_ptr<float>();
+  const float *q_norm = optional_f32(t[kQNorm]), *k_norm = optional_f32(t[kKNorm]);
+  std::vector<float> x(M * std::max(Hd, H * D)), y(M * std::max(width, 2 * I)), act(M * I);
+  QuantizedRows q;
+
+  // attention: h += o_proj(attn(rope(qkv(norm(h)))))
+  for (int64_t r = 0; r < M; ++r) rms_norm(h + r * Hd, Hd, norm1, eps, x.data() + r * Hd);
+  project(x.data(), M, Hd, qkv, q, y.data());
+  for (int64_t r = 0; r < M; ++r) {
+    float* row = y.data() + r * width;
+    const float *cos = rows.cos_sin + r * 2 * D, *sin = cos + D;
+    for (int64_t head = 0; head < H + Hkv; ++head) {  // q heads, then k heads
+      float* v = row + head * D;
+      if (q_norm) rms_norm(v, D, head < H ? q_norm : k_norm, eps, v);
+      rope(v, cos, sin, D);
+    }
+    C* kd = k_cache + rows.slots[r] * Hkv * D;
+    C* vd = v_cache + rows.slots[r] * Hkv * D;
+    for (int64_t i = 0; i < Hkv * D; ++i) {
+      kd[i] = static_cast<C>(row[H * D + i]);
+      vd[i] = static_cast<C>(row[(H + Hkv) * D + i]);
+    }
+  }
+  attend(y.data(), M, dims, scale, rows, k_cache, v_cache, x.data());
+  project(x.data(), M, H * D, o, q, y.data());
+  for (int64_t i = 0; i < M * Hd; ++i) h[i] += y[i];
+
+  // MLP: h += down(silu(gate) * up), gate/up of norm(h)
+  for (int64_t r = 0; r < M; ++r) rms_norm(h + r * Hd, Hd, norm2, eps, x.data() + r * Hd);
+  project(x.data(), M, Hd, gate_up, q, y.data());
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = y[r * 2 * I + i], u = y[r * 2 * I + I + i];
+      act[r * I + i] = g / (1.0f + std::exp(-g)) * u;
+    }
+  project(act.data(), M, I, down, q, y.data());
+  for (int64_t i = 0; i < M * Hd; ++i) h[i] += y[i];
+}
+
+void decoder_layer(at::Tensor& h, at::TensorList weights, at::IntArrayRef dims, double eps,
+                   double scale, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                   const at::Tensor& req, const at::Tensor& kv_len, const at::Tensor& tables,
+                   const at::Tensor& cos_sin, int64_t block_size) {
+  TORCH_CHECK(weights.size() == kNumSlots, "decoder_layer: expected ", int(kNumSlots), " weight tensors, got ",
+              weights.size());
+  TORCH_CHECK(dims.size() == kNumDims, "decoder_layer: expected ", int(kNumDims), " dims, got ", dims.size());
+  TORCH_CHECK(h.scalar_type() == at::kFloat && h.is_contiguous() && h.dim() == 2 && h.size(1) == dims[kHidden],
+              "decoder_layer: h must be a contiguous fp32 [M, ", dims[kHidden], "] tensor, got ", h.sizes(), " ",
+              h.scalar_type());
+  const int64_t M = h.size(0), Hkv = dims[kKvHeads], D = dims[kHeadDim];
+  TORCH_CHECK(dims[kHeads] % Hkv == 0 && D % 2 == 0, "decoder_layer: bad head layout");
+  for (const at::Tensor* t : {&slots, &req, &kv_len})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == M,
+                "decoder_layer: slots, req and kv_len must be contiguous int64 [", M, "]");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.dim() == 2,
+              "decoder_layer: tables must be contiguous int64 [B, W]");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() && cos_sin.numel() == M * 2 * D,
+              "decoder_layer: cos_sin must be contiguous fp32 [M, ", 2 * D, "]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  k_cache.numel() % (Hkv * D) == 0,
+              "decoder_layer: k_cache and v_cache must be contiguous [slots, ", Hkv, ", ", D, "] of one dtype");
+  const Rows rows{slots.data_ptr<int64_t>(), req.data_ptr<int64_t>(), kv_len.data_ptr<int64_t>(),
+                  tables.data_ptr<int64_t>(), tables.size(1), block_size, cos_sin.data_ptr<float>()};
+  for (const at::Tensor& t : weights)
+    TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "decoder_layer: every weight must be a contiguous CPU tensor");
+  const at::TensorList w = weights;
+  if (k_cache.scalar_type() == at::kBFloat16)
+    layer(h.data_ptr<float>(), M, w, dims.data(), float(eps), float(scale), rows, k_cache.data_ptr<at::BFloat16>(),
+          v_cache.data_ptr<at::BFloat16>());
+  else if (k_cache.scalar_type() == at::kFloat)
+    layer(h.data_ptr<float>(), M, w, dims.data(), float(eps), float(scale), rows, k_cache.data_ptr<float>(),
+          v_cache.data_ptr<float>());
+  else
+    TORCH_CHECK(false, "decoder_layer: the KV cache must be bfloat16 or float32, got ", k_cache.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tercel_cpu_q8, lib) {
+  lib.def("decoder_layer(Tensor(a!) h, Tensor[] weights, int[] dims, float eps, float scale, Tensor(b!) k_cache, "
+          "Tensor(c!) v_cache, Tensor slots, Tensor req, Tensor kv_len, Tensor tables, Tensor cos_sin, "
+          "int block_size) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tercel_cpu_q8, CPU, lib) {
+  lib.impl("decoder_layer", &decoder_layer);
+}
