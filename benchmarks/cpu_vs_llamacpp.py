@@ -128,6 +128,9 @@ def main() -> None:
         try:
             if name == "tercel_default":
                 engines[name], handles[name] = tercel_engine(path, args.threads, n)
+            elif name == "tercel_eager":  # the default without the fused C++ layers: the eager layer loop
+                engines[name], handles[name] = tercel_engine(path, args.threads, n)
+                handles[name].engine.model.cpu_fused = None
             elif name == "tercel_auto":  # what `tercel generate` runs: AUTO speculation
                 engines[name], handles[name] = tercel_engine(path, args.threads, n, speculative_algorithm="AUTO")
             elif name == "tercel_compiled":
@@ -142,7 +145,7 @@ def main() -> None:
             elif name == "llama_cpp":
                 engines[name], handles[name] = llamacpp_engine(path, args.threads, n)
             else:
-                raise SystemExit(f"--engines: unknown engine {name!r}; use tercel_default, tercel_auto, "
+                raise SystemExit(f"--engines: unknown engine {name!r}; use tercel_default, tercel_eager, tercel_auto, "
                                  f"tercel_compiled, tercel_auto_compiled, tercel_fp32, hf_fp32, llama_cpp")
         except ImportError as e:  # llama-cpp-python not installed: record why, measure the rest
             missing[name] = f"{type(e).__name__}: {e}"
@@ -197,6 +200,8 @@ def main() -> None:
                      f"tok/s = new tokens / wall time of the generate call (prefill included), median of "
                      f"{args.repeats} repeats after a warm-up, engines in turns",
             "engines": {"tercel_default": "tercel LLM(gguf): dtype auto",
+                        "tercel_eager": "tercel LLM(gguf) with its fused C++ decoder layers off (the eager layer "
+                                        "loop; TERCEL_CPU_FUSED=0)",
                         "tercel_auto": "tercel LLM(gguf, speculative_algorithm='AUTO'): what `tercel generate` runs",
                         "tercel_compiled": "tercel LLM(gguf, cpu_compile=True): decode steps compiled (Inductor C++)",
                         "tercel_auto_compiled": "tercel LLM(gguf, cpu_compile=True, speculative_algorithm='AUTO')",

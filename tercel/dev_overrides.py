@@ -49,7 +49,8 @@ OVERRIDES: dict[str, EnvOverride] = {
              "graph step (side-by-side measurements)"),
     "TERCEL_CPU_FUSED": EnvOverride(
         "1", "0: CPU decode / verify steps run the eager layer loop instead of one C++ call per decoder layer "
-             "(tercel/models/cpu_fused.py; needs the Q4 x Q8 kernel's weights)"),
+             "(tercel/models/cpu_fused.py; by default a model on the Q4 x Q8 kernel takes them); fp32: an fp32 "
+             "model takes them too, with exact fp32 matmuls (the check that the fused layer is the eager one)"),
     "TERCEL_CPU_Q8": EnvOverride(
         "1", "0: GGUF 4-bit linears on the CPU (bf16) keep torch's int4 kernel instead of the Q4 x Q8 integer "
              "kernel (models.cpu_q8; compiled at first use), for side-by-side measurements"),

@@ -10,11 +10,15 @@ greedy output through it, TERCEL_CPU_FUSED=0 and fp32 keep the eager loop.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import last_logits
 from gguf_utils import tiny_q4_gguf
+from spec_utils import spec_llm
+from test_spec_greedy import prompts  # noqa: F401  (the 20 SmolLM2 prompts fixture)
 
 from tercel import LLM, SamplingParams
 from tercel.models import cpu_q8
@@ -227,3 +231,62 @@ def test_speculative_greedy_equals_plain_greedy_through_it(gguf):
     assert isinstance(model.cpu_fused, CpuFusedLayers)
     assert spec == plain
     assert any(n > 1 for n in calls[1:]), calls  # verify steps of several rows went through the fused layers
+
+
+@contextlib.contextmanager
+def fp32_fused_context(smol_llm):
+    """The fp32 SmolLM2's layers through the op (TERCEL_CPU_FUSED=fp32: exact fp32 matmuls), put back after;
+    yields the list of row counts of the forwards it ran."""
+    model = smol_llm.engine.model
+    smol_llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1))  # the default's decision taken: eager for fp32
+    assert model.cpu_fused is None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TERCEL_CPU_FUSED", "fp32")
+        fused = CpuFusedLayers.build(model)
+    assert isinstance(fused, CpuFusedLayers)
+    rows: list[int] = []
+    real = fused.forward
+
+    def counting(batch, kv, input_embeds):
+        rows.append(batch.input_ids.shape[0])
+        return real(batch, kv, input_embeds)
+
+    fused.forward = counting
+    model.cpu_fused = fused
+    try:
+        yield rows
+    finally:
+        model.cpu_fused = None
+
+
+N = 24
+GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+
+
+def _tokens(llm, token_prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(token_prompts, params)]
+
+
+def test_fp32_layers_through_it_give_the_eager_greedy_tokens_on_the_20_prompts(smol_llm, prompts):  # noqa: F811
+    eager = _tokens(smol_llm, prompts, GREEDY)
+    with fp32_fused_context(smol_llm) as rows:
+        fused = _tokens(smol_llm, prompts, GREEDY)
+    assert fused == eager
+    assert rows.count(20) >= N - 1  # the decode steps of all 20 requests ran through the op
+
+
+def test_fp32_layers_through_it_sample_as_the_eager_forward_does(smol_llm, prompts):  # noqa: F811
+    params = [SamplingParams(max_tokens=N, temperature=0.8, top_p=0.9, top_k=50, seed=7 + i, ignore_eos=True)
+              for i in range(4)]
+    eager = _tokens(smol_llm, prompts[:4], params)
+    with fp32_fused_context(smol_llm):
+        assert _tokens(smol_llm, prompts[:4], params) == eager
+
+
+def test_fp32_eagle3_verify_through_it_equals_plain_greedy(smol_llm, prompts):  # noqa: F811
+    plain = _tokens(smol_llm, prompts[:3], GREEDY)
+    llm = spec_llm(smol_llm, max_num_seqs=1, speculative_algorithm="EAGLE3", speculative_eagle_topk=1,
+                   speculative_adaptive=False)
+    with fp32_fused_context(smol_llm) as rows:
+        assert _tokens(llm, prompts[:3], GREEDY) == plain
+    assert any(n > 1 for n in rows)  # verify steps of several rows ran through the op

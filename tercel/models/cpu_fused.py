@@ -9,7 +9,9 @@ an EAGLE-3 drafter reads (aux layers) are handed over in the model's dtype.
 
 What it does not take runs the eager layer loop: tree masks (custom attention masks), more than MAX_ROWS rows
 (prefill: SDPA's blocked attention wins there), torch.compile tracing (--cpu-compile), tensor parallelism.
-TERCEL_CPU_FUSED=0 keeps the eager loop for every step (side-by-side measurements).
+TERCEL_CPU_FUSED=0 keeps the eager loop for every step (side-by-side measurements); TERCEL_CPU_FUSED=fp32 also
+runs an fp32 model's layers through the op, with exact fp32 matmuls on its dense weights: its greedy tokens then
+equal the eager fp32 forward's (tests/test_cpu_fused.py), the check of the layer's logic on the real model.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from ..dev_overrides import env
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from ..kv import PagedKVCache
+from . import cpu_q8
 from .cpu_q8 import PackedQ4Q8
 
 log = logging.getLogger(__name__)
@@ -29,8 +32,12 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 64  # rows per step the fused layer takes; longer prefill chunks keep the eager loop
 
 
-def enabled() -> bool:
-    return env("TERCEL_CPU_FUSED") != "0"
+def mode() -> str:
+    value = env("TERCEL_CPU_FUSED")
+    if value not in ("0", "1", "fp32"):
+        raise ValueError(f"TERCEL_CPU_FUSED={value!r}: use 1 (default), 0 (the eager layer loop) or fp32 (fp32 models "
+                         f"too)")
+    return value
 
 
 def _f32(t: torch.Tensor | None) -> torch.Tensor:
@@ -38,8 +45,15 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor:
 
 
 def _proj(linear) -> list[torch.Tensor]:
-    packed: PackedQ4Q8 = linear.gemv
+    """The op's four tensors of a projection: Q4 x Q8 (qs, d, m) or a dense fp32 weight, then the bias."""
+    packed = linear.gemv
+    if packed is None:
+        return [linear.weight.detach().contiguous(), torch.empty(0), torch.empty(0), _f32(linear.bias)]
     return [packed.qs, packed.d, packed.m, _f32(linear.bias)]
+
+
+def _dense_fp32(linear) -> bool:
+    return linear.gemv is None and linear.weight.dtype == torch.float32 and linear.weight.numel() > 0
 
 
 @dataclass(slots=True)
@@ -89,14 +103,18 @@ class CpuFusedLayers:
     @classmethod
     def build(cls, model) -> "CpuFusedLayers | None":
         """The fused layers when every layer's projections are on the Q4 x Q8 kernel, else None (logged once)."""
-        if not enabled() or model.tp is not None or model.config.head_dim % 2:
+        switch = mode()
+        if switch == "0" or model.tp is not None or model.config.head_dim % 2:
             return None
         linears = [lin for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if not all(isinstance(lin.gemv, PackedQ4Q8) for lin in linears):
+        q4 = all(isinstance(lin.gemv, PackedQ4Q8) for lin in linears)
+        if not q4 and not (switch == "fp32" and all(_dense_fp32(lin) for lin in linears)):
             return None
-        log.info("CPU decode and verify steps: one fused C++ call per decoder layer (TERCEL_CPU_FUSED=0: the eager "
-                 "layer loop)")
+        if not q4 and cpu_q8.kernel_error() is not None:  # the op is built with the Q4 x Q8 kernel
+            return None
+        log.info("CPU decode and verify steps: one fused C++ call per decoder layer%s (TERCEL_CPU_FUSED=0: the "
+                 "eager layer loop)", "" if q4 else ", exact fp32 matmuls")
         return cls(model)
 
     def unsupported(self, batch: ForwardBatch) -> str | None:

@@ -6,7 +6,9 @@
 // registered as torch.ops.tercel_cpu_q8.decoder_layer; tercel/models/cpu_fused.py calls it.
 //
 // Numerics: the residual stream and every activation stay fp32 (the eager bf16 path rounds to bf16 after each
-// op); the matmul inputs are quantised to Q8 as in q4q8_linear; K/V are stored in the cache's dtype. Each row's
+// op); the matmul inputs are quantised to Q8 as in q4q8_linear; K/V are stored in the cache's dtype. Dense fp32
+// weights instead (an fp32 model) run exact fp32 matmuls: the same layer as the eager fp32 forward up to the order
+// of its sums, which is how its logic is checked on the real model. Each row's
 // result depends on its own row and the cache only, so a verify of t rows computes what t decodes would.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -39,24 +41,37 @@ struct Proj {
   Weights w;
   int64_t n;
   const float* bias;  // null: none
+  at::Tensor dense;   // defined: an fp32 [n, k] weight multiplied exactly (the fp32 check path), w unused
 };
 
 const float* optional_f32(const at::Tensor& t) { return t.numel() ? t.data_ptr<float>() : nullptr; }
 
+// A projection's four tensors from slot qs on: Q4 x Q8 (uint8 qs, fp16 d and m) or a dense fp32 weight (then d
+// and m empty), and the bias.
 Proj proj(at::TensorList t, int qs, int64_t k, int64_t n) {
+  if (t[qs].scalar_type() == at::kFloat) {
+    TORCH_CHECK(t[qs].dim() == 2 && t[qs].size(0) == n && t[qs].size(1) == k,
+                "decoder_layer: weight ", qs, " must be a dense fp32 [", n, ", ", k, "] matrix, got ", t[qs].sizes());
+    return Proj{Weights{}, n, optional_f32(t[qs + 3]), t[qs]};
+  }
   const int64_t nb = k / kBlock, groups = (n + 7) / 8;
-  TORCH_CHECK(t[qs].numel() == groups * nb * 128 && t[qs + 1].numel() == groups * nb * 8 &&
-                  t[qs + 2].numel() == groups * nb * 8,
+  TORCH_CHECK(k % kBlock == 0 && t[qs].scalar_type() == at::kByte && t[qs].numel() == groups * nb * 128 &&
+                  t[qs + 1].numel() == groups * nb * 8 && t[qs + 2].numel() == groups * nb * 8,
               "decoder_layer: weight ", qs, " does not hold a [", n, ", ", k, "] Q4 matrix");
   return Proj{Weights{t[qs].data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(t[qs + 1].data_ptr<at::Half>()),
                       reinterpret_cast<const uint16_t*>(t[qs + 2].data_ptr<at::Half>()), nb},
-              n, optional_f32(t[qs + 3])};
+              n, optional_f32(t[qs + 3]), at::Tensor()};
 }
 
 // y[M, n] = x[M, k] @ W^T (+ bias)
-void project(const float* x, int64_t M, int64_t k, const Proj& p, QuantizedRows& q, float* y) {
-  q.quantize(x, M, k);
-  matmul_q8(q.acts(), M, p.w, p.n, y);
+void project(float* x, int64_t M, int64_t k, const Proj& p, QuantizedRows& q, float* y) {
+  if (p.dense.defined()) {
+    at::Tensor out = at::from_blob(y, {M, p.n}, at::kFloat);
+    at::mm_out(out, at::from_blob(x, {M, k}, at::kFloat), p.dense.t());
+  } else {
+    q.quantize(x, M, k);
+    matmul_q8(q.acts(), M, p.w, p.n, y);
+  }
   if (p.bias)
     for (int64_t r = 0; r < M; ++r)
       for (int64_t i = 0; i < p.n; ++i) y[r * p.n + i] += p.bias[i];
