@@ -83,8 +83,9 @@ def _build(build: Q8Build) -> None:
     where = build.directory()
     where.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(name=f"tercel_cpu_q8_{build.key()}", sources=[str(f) for f in build.files() if f.suffix == ".cpp"],
-                           extra_cflags=list(build.cflags), extra_ldflags=["-fopenmp"], build_directory=str(where), is_python_module=False,
+        sources = [str(f) for f in build.files() if f.suffix == ".cpp"]
+        cpp_extension.load(name=f"tercel_cpu_q8_{build.key()}", sources=sources, extra_cflags=list(build.cflags),
+                           extra_ldflags=["-fopenmp"], build_directory=str(where), is_python_module=False,
                            verbose=False)
     except Exception as e:  # a compiler error, a missing ninja, an unwritable cache folder
         raise Q8KernelUnavailable(f"could not build the Q4 x Q8 CPU kernel in {where} ({type(e).__name__}: "
