@@ -20,7 +20,7 @@ from gguf_utils import write_gguf  # noqa: E402
 
 from tercel import LLM  # noqa: E402
 from tercel.loader import gguf_file  # noqa: E402
-from tercel.models import cpu_linear  # noqa: E402
+from tercel.models import cpu_linear, cpu_q8  # noqa: E402
 from tercel.models.cpu_linear import (  # noqa: E402
     Q4_GROUP,
     PackedDense,
@@ -31,12 +31,14 @@ from tercel.models.cpu_linear import (  # noqa: E402
     dense_packing_available,
 )
 from tercel.models.cpu_pack import pack_linear  # noqa: E402
-from tercel.models.cpu_q8 import PackedQ4Q8  # noqa: E402
+from tercel.models.cpu_q8 import PackedQ4Q8, PackedQ8  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_packing_available(), reason="this torch build lacks oneDNN / int4 CPU matmul")
 transformers.logging.set_verbosity_error()
 # what a dense bf16 weight becomes on this CPU: oneDNN packs bf16 only with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT
 DENSE = PackedDense if dense_packing_available() else UnpackedDense
+# a Q8_0 head stays 8-bit where the kernel built, else dense bf16 (the tiny GGUFs' embedding is Q8_0, tied)
+Q8_HEAD = PackedQ8 if cpu_q8.kernel_error() is None else (PackedDense, UnpackedDense)
 FOUR_BIT = (PackedQ4Q8, PackedInt4)  # a 4-bit matrix stays 4-bit: the Q4 x Q8 kernel where it built, else torch's
 
 TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -146,7 +148,7 @@ def test_without_bf16_packing_dense_weights_run_through_f_linear(monkeypatch, ti
     assert torch.equal(packed(x), torch.nn.functional.linear(x, w))
     assert isinstance(pack_linear(torch.zeros(96, 64), _blocks(96, 64)), FOUR_BIT)  # 4-bit needs no oneDNN
     ref, q4 = _tiny(tiny_gguf["Q4_0"], "float32"), _tiny(tiny_gguf["Q4_0"], "bfloat16")
-    assert isinstance(q4.engine.model.lm_head_gemv, UnpackedDense)
+    assert isinstance(q4.engine.model.lm_head_gemv, Q8_HEAD)  # the Q8_0 tied embedding as the head needs no oneDNN
     assert isinstance(q4.engine.model.layers[0].self_attn.qkv_proj.gemv, FOUR_BIT)
     for ids in PROMPTS:
         want = last_logits(ref, ids)
@@ -165,7 +167,7 @@ def test_bf16_model_keeps_4bit_weights_and_is_as_close_to_fp32_as_dense_bf16(tin
     layer = q4.engine.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj.gemv, FOUR_BIT) and isinstance(layer.mlp.down_proj.gemv, FOUR_BIT)
     assert layer.self_attn.qkv_proj.weight.numel() == 0  # the dense copy is dropped
-    assert isinstance(q4.engine.model.lm_head_gemv, DENSE)  # the Q8_0 tied head: dense bf16
+    assert isinstance(q4.engine.model.lm_head_gemv, Q8_HEAD)  # the Q8_0 tied head stays 8-bit
     assert isinstance(dense.engine.model.layers[0].self_attn.qkv_proj.gemv, DENSE)
     assert ref.engine.model.layers[0].self_attn.qkv_proj.gemv is None  # fp32 stays the exact reference
     for ids in PROMPTS:

@@ -78,6 +78,17 @@ def test_a_damaged_prepared_file_is_prepared_again(tiny_q4):
     assert prepared.stat().st_size > 1000  # rewritten
 
 
+def test_a_prepared_file_with_a_kind_this_version_does_not_know_is_prepared_again(tiny_q4):
+    want = last_logits(LLM(str(tiny_q4), **KW), PROMPT)
+    (prepared,) = cache.entry_dir(tiny_q4).glob("prepared-*.pt")
+    state = torch.load(prepared, weights_only=True)
+    key = next(iter(state["linears"]))
+    state["linears"][key] = ("from_the_future", state["linears"][key][1])
+    torch.save(state, prepared)
+    assert torch.equal(last_logits(LLM(str(tiny_q4), **KW), PROMPT), want)
+    assert torch.load(prepared, weights_only=True)["linears"][key][0] != "from_the_future"  # rewritten
+
+
 @pytest.mark.slow
 def test_the_cached_tokenizer_equals_the_converted_one(smol_path, tmp_path, monkeypatch):
     from tercel.loader.tokenizer import load_tokenizer

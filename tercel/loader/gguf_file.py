@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
-from ..models.cpu_linear import Q4Blocks
+from ..models.cpu_linear import Q4Blocks, Q8Blocks
 
 # GGUF architecture -> HF architecture
 GGUF_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -185,6 +185,24 @@ def iter_q4_weights(reader, cfg: dict[str, Any]) -> Iterator[tuple[str, Q4Blocks
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             blocks = blocks.rows(_unpermute(torch.arange(shape[0]), heads))
         yield name, blocks
+
+
+HEAD_NAMES = ("model.embed_tokens.weight", "lm_head.weight")  # the head, or the tied embedding serving as it
+
+
+def iter_q8_head_weights(reader) -> Iterator[tuple[str, Q8Blocks]]:
+    """(HF name, Q8Blocks) of the head's matrix (lm_head, or the tied embedding) when it is stored Q8_0: each
+    block of 32 weights is fp16 d and 32 int8 values. No other tensor is read."""
+    gguf = _gguf()
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name not in HEAD_NAMES or gguf.GGMLQuantizationType(t.tensor_type).name != "Q8_0" or len(t.shape) != 2:
+            continue
+        n, k = (int(d) for d in reversed(t.shape))
+        raw = np.ascontiguousarray(t.data).reshape(n * k // 32, 34)
+        d = raw[:, 0:2].copy().view(np.float16).astype(np.float32)
+        q = raw[:, 2:].copy().view(np.int8)
+        yield name, Q8Blocks(torch.from_numpy(q.reshape(n, k)), torch.from_numpy(d.reshape(n, k // 32)))
 
 
 def q4_share(reader) -> tuple[float, tuple[str, ...]]:

@@ -211,7 +211,9 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     else:
         net.load_weights(_device_tensors(ckpt, shard, device, progress), source=str(path))
         if packing:
-            net.pack_cpu_linears(dict(gguf_file.iter_q4_weights(ckpt.reader, raw)) if keep_q4 else {})
+            blocks = dict(gguf_file.iter_q4_weights(ckpt.reader, raw)) | dict(
+                gguf_file.iter_q8_head_weights(ckpt.reader)) if keep_q4 else {}
+            net.pack_cpu_linears(blocks)
         if prepared is not None and save_prepared(net, prepared):
             log.info("kept %s as prepared for the CPU in %s: later starts skip the conversion", path.name,
                      prepared.parent)

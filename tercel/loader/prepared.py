@@ -14,13 +14,13 @@ import torch
 from torch import nn
 
 from ..models.cpu_linear import CpuPackedLinear, PackedDense, PackedInt4, UnpackedDense, cpu_bf16_support, pack_dense
-from ..models.cpu_q8 import LAYOUT, PackedQ4Q8, q8_available
+from ..models.cpu_q8 import LAYOUT, PackedQ4Q8, PackedQ8, q8_available
 from .cache import CACHE_FORMAT, write_atomically
 
 log = logging.getLogger(__name__)
 
-_KINDS: dict[str, type[CpuPackedLinear]] = {"int4": PackedInt4, "q4q8": PackedQ4Q8, "dense": UnpackedDense,
-                                            "onednn": PackedDense}
+_KINDS: dict[str, type[CpuPackedLinear]] = {"int4": PackedInt4, "q4q8": PackedQ4Q8, "q8": PackedQ8,
+                                            "dense": UnpackedDense, "onednn": PackedDense}
 
 
 def prepared_file(entry: Path, dtype: torch.dtype, keep_q4: bool) -> Path:
@@ -77,6 +77,11 @@ def load_prepared(model: nn.Module, path: Path) -> bool:
     if state.get("format") != CACHE_FORMAT or set(saved) != set(params) or any(
             t.numel() and t.shape != params[n].shape for n, t in saved.items()):
         log.warning("ignoring the prepared-weight cache %s: it does not fit this model", path)
+        return False
+    unknown = sorted({kind for kind, _ in state["linears"].values()} - set(_KINDS))
+    if unknown:
+        log.warning("ignoring the prepared-weight cache %s: linears of kinds %s this version does not know", path,
+                    unknown)
         return False
     for name, tensor in saved.items():
         owner, leaf = _owner(model, name)

@@ -44,6 +44,17 @@ class Q4Blocks:
                         torch.cat([p.min for p in parts]))
 
 
+@dataclass(frozen=True, slots=True)
+class Q8Blocks:
+    """A GGUF Q8_0 weight [N, K] as w = scale * q per group of Q4_GROUP inputs (the tied embedding of most GGUFs,
+    taken as the head)."""
+    q: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # float32 [N, K // Q4_GROUP]
+
+    def dequantize(self) -> torch.Tensor:
+        return self.scale.repeat_interleave(Q4_GROUP, dim=1) * self.q.float()
+
+
 class CpuPackedLinear:
     """A weight prepared for one CPU kernel; called as packed(x, bias) in place of F.linear."""
     out_features: int

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .cpu_linear import CpuPackedLinear, PackedInt4, Q4Blocks, pack_dense
-from .cpu_q8 import PackedQ4Q8, q8_available
+from .cpu_linear import CpuPackedLinear, PackedInt4, Q4Blocks, Q8Blocks, pack_dense
+from .cpu_q8 import PackedQ4Q8, PackedQ8, q8_available
 
 
 def pack_linear(weight: torch.Tensor, blocks: Q4Blocks | None) -> CpuPackedLinear:
@@ -15,3 +15,13 @@ def pack_linear(weight: torch.Tensor, blocks: Q4Blocks | None) -> CpuPackedLinea
     if blocks is not None and PackedInt4.supports(*blocks.q.shape):
         return PackedInt4(blocks)
     return pack_dense(weight)
+
+
+def pack_head(weight: torch.Tensor, blocks: Q8Blocks | Q4Blocks | None) -> CpuPackedLinear:
+    """The lm_head (or the tied embedding as the head): GGUF Q8_0 blocks on the kernel's 8-bit variant where it
+    built (fp32 logits from int8 weights, half the bytes of bf16), 4-bit blocks as pack_linear, else dense bf16."""
+    if isinstance(blocks, Q8Blocks):
+        if PackedQ4Q8.supports(*blocks.q.shape) and q8_available():
+            return PackedQ8(blocks)
+        return pack_dense(weight)
+    return pack_linear(weight, blocks)

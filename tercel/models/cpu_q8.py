@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..dev_overrides import cache_dir, env
-from .cpu_linear import Q4_GROUP, CpuPackedLinear, Q4Blocks, cpu_flags
+from .cpu_linear import Q4_GROUP, CpuPackedLinear, Q4Blocks, Q8Blocks, cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,10 @@ def kernel_error() -> str | None:
     def _(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, n: int) -> torch.Tensor:
         return x.new_empty(x.shape[0], n)
 
+    @torch.library.register_fake("tercel_cpu_q8::q8_linear")
+    def _(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n, dtype=torch.float32)
+
     return None
 
 
@@ -138,7 +142,7 @@ def q4q8_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Ten
 
 
 ROW_GROUP = 8  # weight rows per 256-bit vector in the kernel's layout
-LAYOUT = 2  # bumped when PackedQ4Q8's tensors change shape: the load cache's file name carries it
+LAYOUT = 4  # bumped when PackedQ4Q8's or PackedQ8's tensors change layout: the load cache's file name carries it
 
 
 def _grouped(t: torch.Tensor, n_pad: int) -> torch.Tensor:
@@ -188,4 +192,45 @@ class PackedQ4Q8(CpuPackedLinear):
         self.qs, self.d, self.m = tensors["qs"], tensors["d"], tensors["m"]
         self.out_features = int(tensors["n"])
         self.nbytes = self.qs.numel() + 2 * self.d.numel() * 2
+        return self
+
+
+class PackedQ8(CpuPackedLinear):
+    """A GGUF Q8_0 weight [N, K] for the kernel's 8-bit variant (q8_linear): 8 rows interleaved per 2 inputs, one
+    int8 per input, fp16 scales, against activations quantised to int16 per block of 32 (finer than the layers'
+    Q8: it serves as the head, whose logits feed sampling). Half the bytes of the dense bf16 copy; fp32 results."""
+
+    def __init__(self, blocks: Q8Blocks) -> None:
+        n, k = blocks.q.shape
+        if not PackedQ4Q8.supports(n, k):
+            raise ValueError(f"the Q8_0 CPU kernel needs a [N, K] weight with K a multiple of {Q4_GROUP}; "
+                             f"got [{n}, {k}].")
+        _require()
+        pad = -n % ROW_GROUP
+        g, nb = (n + pad) // ROW_GROUP, k // Q4_GROUP
+        q = _grouped(blocks.q, pad).view(g, ROW_GROUP, nb, 16, 2)  # group, row, block, chunk, byte
+        self.qs = q.permute(0, 2, 3, 1, 4).contiguous()  # group, block, chunk, row, byte
+        self.d = _grouped(blocks.scale, pad).view(g, ROW_GROUP, nb).transpose(1, 2).to(torch.float16).contiguous()
+        self.m = torch.zeros_like(self.d)
+        self.out_features = n
+        self.nbytes = self.qs.numel() + 2 * self.d.numel()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.ops.tercel_cpu_q8.q8_linear(x.reshape(-1, x.shape[-1]), self.qs, self.d, self.m,
+                                                self.out_features)
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"qs": self.qs, "d": self.d, "n": torch.tensor(self.out_features)}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "PackedQ8":
+        _require()
+        self = cls.__new__(cls)
+        self.qs, self.d = tensors["qs"], tensors["d"]
+        self.m = torch.zeros_like(self.d)
+        self.out_features = int(tensors["n"])
+        self.nbytes = self.qs.numel() + 2 * self.d.numel()
         return self

@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -127,6 +128,56 @@ inline void group_any(int64_t m, const Weights& w, const Acts& a, int64_t g, int
   }
 }
 
+// ---- Q8_0 weights (a GGUF's head or tied embedding) against int16 activations ----
+// The head's logits feed sampling directly, so its activations are quantised finer than Q8: int16 per block of
+// 32 (scale amax / 32767, an error 256 times smaller), with madd_epi16's exact int32 pair sums. Weight layout:
+// qs int8 [N / 8, nb, 16, 8, 2] (block b, chunk c, row r, byte t: q[r][32 b + 2 c + t]), d fp16 [N / 8, nb, 8].
+struct Acts16 {
+  const int16_t* q;  // [rows, nb * 32]
+  const float* d;    // [rows, nb]
+  int64_t nb;
+};
+
+inline int32_t load2x16(const int16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+template <int M>
+void group16(const Weights& w, const Acts16& a, int64_t g, int64_t r0, float (*out)[8]) {
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  const int8_t* qs = reinterpret_cast<const int8_t*>(w.qs) + g * a.nb * 256;
+  const uint16_t* dp = w.d + g * a.nb * 8;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    __m256i wv[16];
+    for (int c = 0; c < 16; ++c)
+      wv[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 256 + c * 16)));
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + b * 8)));
+    for (int m = 0; m < M; ++m) {
+      const int16_t* x = a.q + (r0 + m) * a.nb * kBlock + b * kBlock;
+      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+      for (int c = 0; c < 16; c += 2) {  // |sum| <= 32 * 128 * 32767 < 2^31
+        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(wv[c], _mm256_set1_epi32(load2x16(x + 2 * c))));
+        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(wv[c + 1], _mm256_set1_epi32(load2x16(x + 2 * c + 2))));
+      }
+      const __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+      acc[m] = _mm256_fmadd_ps(p, _mm256_mul_ps(dw, _mm256_set1_ps(a.d[(r0 + m) * a.nb + b])), acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm256_storeu_ps(out[m], acc[m]);
+}
+
+inline void group16_any(int64_t m, const Weights& w, const Acts16& a, int64_t g, int64_t r0, float (*out)[8]) {
+  switch (m) {
+    case 1: return group16<1>(w, a, g, r0, out);
+    case 2: return group16<2>(w, a, g, r0, out);
+    case 3: return group16<3>(w, a, g, r0, out);
+    default: return group16<4>(w, a, g, r0, out);
+  }
+}
+
 inline void store(float* y, int64_t i, float v) { y[i] = v; }
 inline void store(at::BFloat16* y, int64_t i, float v) { y[i] = at::BFloat16(v); }  // round to nearest even
 
@@ -146,23 +197,59 @@ struct QuantizedRows {
   Acts acts() const { return Acts{q.data(), d.data(), s.data(), nb}; }
 };
 
-// out[M, N] = (quantised x) @ W^T, over N by groups of 8 weight rows; a group runs all activation rows while
-// its weights are in cache.
-template <typename T>
-void matmul_q8(const Acts& a, int64_t M, const Weights& w, int64_t N, T* out) {
+struct QuantizedRows16 {
+  std::vector<int16_t> q;
+  std::vector<float> d;
+  int64_t nb = 0;
+
+  void quantize(const float* x, int64_t M, int64_t K) {
+    nb = K / kBlock;
+    q.resize(M * K);
+    d.resize(M * nb);
+    for (int64_t blk = 0; blk < M * nb; ++blk) {
+      const float* p = x + blk * kBlock;
+      float mx = 0.f;
+      for (int64_t i = 0; i < kBlock; ++i) mx = std::max(mx, std::fabs(p[i]));
+      const float inv = mx != 0.0f ? 32767.0f / mx : 0.0f;
+      for (int64_t i = 0; i < kBlock; ++i) q[blk * kBlock + i] = static_cast<int16_t>(std::nearbyint(p[i] * inv));
+      d[blk] = mx / 32767.0f;
+    }
+  }
+  Acts16 acts() const { return Acts16{q.data(), d.data(), nb}; }
+};
+
+// out[M, N] by groups of 8 weight rows, group_fn(rows, g, r0, part) giving rows r0.. of group g; a group runs
+// all activation rows while its weights are in cache.
+template <typename T, typename GroupFn>
+void matmul_groups(int64_t M, int64_t N, GroupFn group_fn, T* out) {
   const int64_t groups = (N + 7) / 8;
   at::parallel_for(0, groups, 8, [&](int64_t g0, int64_t g1) {
     alignas(32) float part[kMaxRows][8];
     for (int64_t g = g0; g < g1; ++g) {
       for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
         const int64_t rows = std::min(kMaxRows, M - r0);
-        group_any(rows, w, a, g, r0, part);
+        group_fn(rows, g, r0, part);
         const int64_t n_end = std::min<int64_t>(8, N - g * 8);
         for (int64_t m = 0; m < rows; ++m)
           for (int64_t i = 0; i < n_end; ++i) store(out, (r0 + m) * N + g * 8 + i, part[m][i]);
       }
     }
   });
+}
+
+// out[M, N] = (Q8-quantised x) @ W^T for 4-bit W
+template <typename T>
+void matmul_q8(const Acts& a, int64_t M, const Weights& w, int64_t N, T* out) {
+  matmul_groups(M, N, [&](int64_t rows, int64_t g, int64_t r0, float (*part)[8]) { group_any(rows, w, a, g, r0, part); },
+                out);
+}
+
+// out[M, N] = (int16-quantised x) @ W^T for Q8_0 W
+template <typename T>
+void matmul_q8w(const Acts16& a, int64_t M, const Weights& w, int64_t N, T* out) {
+  matmul_groups(M, N,
+                [&](int64_t rows, int64_t g, int64_t r0, float (*part)[8]) { group16_any(rows, w, a, g, r0, part); },
+                out);
 }
 
 }  // namespace tercel_q8

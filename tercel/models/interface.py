@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from ..config import ModelConfig
     from ..forward_batch import ForwardBatch, ModelOutput
     from ..kv import PagedKVCache
-    from .cpu_linear import Q4Blocks
+    from .cpu_linear import Q4Blocks, Q8Blocks
 
 
 @runtime_checkable
@@ -58,6 +58,6 @@ class TargetModel(Protocol):
         """Load HF-named tensors; unknown, missing or misshapen ones raise ConfigError naming `source`."""
         ...
 
-    def pack_cpu_linears(self, q4: dict[str, Q4Blocks]) -> None:
-        """bf16 on CPU: prepack the linears (GGUF 4-bit blocks by HF name stay 4-bit)."""
+    def pack_cpu_linears(self, q4: dict[str, Q4Blocks | Q8Blocks]) -> None:
+        """bf16 on CPU: prepack the linears (GGUF 4-bit blocks by HF name stay 4-bit, a Q8_0 head 8-bit)."""
         ...

@@ -33,9 +33,9 @@ from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from ..kernels import SMALL_M_ROWS, fused_decode_enabled, row_bucket, use_triton
 from ..kv import PagedKVCache
 from .cpu_fused import CpuFusedLayers
-from .cpu_linear import CpuPackedLinear, PackedInt4, Q4Blocks, pack_dense
-from .cpu_pack import pack_linear
-from .cpu_q8 import PackedQ4Q8
+from .cpu_linear import CpuPackedLinear, PackedInt4, Q4Blocks, Q8Blocks
+from .cpu_pack import pack_head, pack_linear
+from .cpu_q8 import PackedQ4Q8, PackedQ8
 from .linear import Linear, linear
 from .rope import RotaryEmbedding, apply_rope
 
@@ -354,14 +354,18 @@ class LlamaForCausalLM(nn.Module):
         return full if mode == CaptureHiddenMode.FULL or every_row else full[batch.logits_indices]
 
     # ---- weights -------------------------------------------------------------------------
-    def pack_cpu_linears(self, q4: dict[str, Q4Blocks]) -> None:
+    def pack_cpu_linears(self, q4: dict[str, Q4Blocks | Q8Blocks]) -> None:
         """bf16 on CPU: give every linear a prepacked kernel (models.cpu_linear). A fused projection
         whose HF parts all came as GGUF 4-bit blocks (`q4`, by HF name) stays 4-bit, and its dense
-        copy is dropped; the rest, the lm_head too, are packed dense."""
-        def pack(module: Linear, parts: list[str]) -> CpuPackedLinear:
+        copy is dropped; a head that came as Q8_0 blocks stays 8-bit; the rest are packed dense."""
+        def pack(module: Linear, parts: list[str], head: bool = False) -> CpuPackedLinear:
             blocks = [q4.get(p) for p in parts]
-            packed = pack_linear(module.weight, Q4Blocks.cat(blocks) if all(b is not None for b in blocks) else None)
-            if isinstance(packed, (PackedInt4, PackedQ4Q8)):
+            if head:
+                packed = pack_head(module.weight, blocks[0])
+            else:
+                whole = all(isinstance(b, Q4Blocks) for b in blocks)
+                packed = pack_linear(module.weight, Q4Blocks.cat(blocks) if whole else None)
+            if isinstance(packed, (PackedInt4, PackedQ4Q8, PackedQ8)):
                 module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
             return packed
 
@@ -373,9 +377,9 @@ class LlamaForCausalLM(nn.Module):
             mlp.gate_up_proj.gemv = pack(mlp.gate_up_proj, [f"{pre}mlp.{p}_proj.weight" for p in ("gate", "up")])
             mlp.down_proj.gemv = pack(mlp.down_proj, [f"{pre}mlp.down_proj.weight"])
         if self.lm_head is None:  # tied: the embedding table stays for lookups, the head gets its own packing
-            self.lm_head_gemv = pack_dense(self.embed_tokens.weight)
+            self.lm_head_gemv = pack_head(self.embed_tokens.weight, q4.get("model.embed_tokens.weight"))
         else:
-            self.lm_head.gemv = pack(self.lm_head, ["lm_head.weight"])
+            self.lm_head.gemv = pack(self.lm_head, ["lm_head.weight"], head=True)
 
     _FUSED = {  # HF name piece -> (fused parameter piece, shard index)
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
