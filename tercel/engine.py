@@ -280,9 +280,21 @@ class LLMEngine:
 
         default_model = _is_default_model(loaded.path)
         auto = (config.speculative.algorithm or "").upper() == "AUTO"
-        sp = config.speculative = config.speculative.resolve_auto(default_model, self.device.type == "cpu")
+        # the CPU's fused decoder layers (models.cpu_fused) decided now, not at the first forward: where they serve
+        # the target, plain decoding measured faster than every speculative width (a verify row costs half a
+        # plain step there), so AUTO leaves speculation off as it does on a GPU
+        cpu_eager = self.device.type == "cpu" and self.tp_group is None and not config.kernel.cpu_compile
+        if cpu_eager and getattr(self.model, "cpu_fused", None) is False:
+            from .models.cpu_fused import CpuFusedLayers
+
+            self.model.cpu_fused = CpuFusedLayers.build(self.model)
+        fused_cpu = cpu_eager and getattr(self.model, "cpu_fused", None) not in (None, False)
+        sp = config.speculative = config.speculative.resolve_auto(default_model,
+                                                                  self.device.type == "cpu" and not fused_cpu)
         if auto:  # say what AUTO chose: a server's log is where a user looks for it
             log.info("speculative decoding (AUTO): %s", "EAGLE3 with the bundled head" if sp.algorithm else
+                     "off (plain decoding on the CPU's fused layers measured faster than speculating; name "
+                     "--speculative-algorithm to speculate anyway)" if fused_cpu else
                      "off (AUTO speculates with the bundled head on the default model on the CPU; name "
                      "--speculative-algorithm and a draft to speculate here)")
         self.spec = build_spec_worker(

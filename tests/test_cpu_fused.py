@@ -290,3 +290,15 @@ def test_fp32_eagle3_verify_through_it_equals_plain_greedy(smol_llm, prompts):  
     with fp32_fused_context(smol_llm) as rows:
         assert _tokens(llm, prompts[:3], GREEDY) == plain
     assert any(n > 1 for n in rows)  # verify steps of several rows ran through the op
+
+
+def test_auto_leaves_speculation_off_where_the_fused_layers_serve_the_default_model(smol_path, monkeypatch):
+    """On the fused CPU layers a verify row costs about half a plain step, and plain decoding measured faster
+    than every speculative width (benchmarks/results/cpu_fused_vs_llamacpp_smollm2.json): AUTO takes plain there,
+    and the bundled EAGLE-3 head where the eager layer loop runs."""
+    kw = dict(device="cpu", progress=False, max_model_len=256, speculative_algorithm="AUTO")
+    fused = LLM(smol_path, **kw)  # dtype auto: bf16 with the GGUF's 4-bit matrices
+    assert isinstance(fused.engine.model.cpu_fused, CpuFusedLayers) and fused.engine.spec is None
+    monkeypatch.setenv("TERCEL_CPU_FUSED", "0")
+    eager = LLM(smol_path, **kw)
+    assert eager.engine.model.cpu_fused is None and eager.engine.spec_config.algorithm == "EAGLE3"
