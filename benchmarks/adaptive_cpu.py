@@ -26,6 +26,9 @@ CONFIGS = {  # name: engine keywords
     "ngram-adaptive": dict(speculative_algorithm="NGRAM", speculative_adaptive=True),
     "eagle3-fixed": dict(speculative_algorithm="EAGLE3", speculative_adaptive=False),
     "ngram-fixed": dict(speculative_algorithm="NGRAM", speculative_adaptive=False),
+    # narrow fixed EAGLE-3 chains: where a verify row costs about half a plain step (the fused CPU layers)
+    **{f"eagle3-fixed-{n}": dict(speculative_algorithm="EAGLE3", speculative_adaptive=False, speculative_eagle_topk=1,
+                                 speculative_num_steps=n - 1, speculative_num_draft_tokens=n) for n in (2, 3, 4)},
 }
 
 

@@ -266,7 +266,7 @@ class KernelConfig:
                                       "every batch-1 linear (GPU, bf16/fp16)")
     cpu_compile: bool = option(False, "CPU: compile the decode and verify steps with torch.compile (Inductor's C++; "
                                       "needs a C++ compiler). The first run on a machine compiles for minutes, later "
-                                      "starts load the cache in seconds (docs/cpu.md)", check=boolean)
+                                      "starts load the cache in seconds (docs/gpu.md#the-cpu-path)", check=boolean)
     threads: int | None = option(None, "CPU threads for PyTorch's kernels (default: one per physical core this "
                                        "process may use, not per hyperthread; OMP_NUM_THREADS if set)",
                                  parse=parse_int, check=positive_int(optional=True))
