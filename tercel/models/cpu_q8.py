@@ -150,9 +150,28 @@ def _grouped(t: torch.Tensor, n_pad: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(n_pad, *t.shape[1:])]) if n_pad else t
 
 
-class PackedQ4Q8(CpuPackedLinear):
+def _by_group(t: torch.Tensor, pad: int, g: int, nb: int) -> torch.Tensor:
+    """Per-block values [N, nb] -> fp16 [N / 8, nb, 8]: the 8 rows of a group side by side (one vector)."""
+    return _grouped(t, pad).view(g, ROW_GROUP, nb).transpose(1, 2).to(torch.float16).contiguous()
+
+
+class _RowGroupLinear(CpuPackedLinear):
+    """A weight in the kernel's 8-row-group layout (qs, d, m) and the op that multiplies by it."""
+    op_name: str  # torch.ops.tercel_cpu_q8.<op_name>(x, qs, d, m, n)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # the op itself (built when this was made, see _require): nothing else for torch.compile to trace
+        op = getattr(torch.ops.tercel_cpu_q8, self.op_name)
+        y = op(x.reshape(-1, x.shape[-1]), self.qs, self.d, self.m, self.out_features)
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class PackedQ4Q8(_RowGroupLinear):
     """A Q4_0 / Q4_1 weight [N, K] for the Q4 x Q8 kernel: 8 rows interleaved per 4 inputs (cpu_q8_kernel.cpp
     says how), scales and mins in fp16 (exact: GGUF stores them so)."""
+    op_name = "q4q8_linear"
 
     @staticmethod
     def supports(n: int, k: int) -> bool:
@@ -169,18 +188,9 @@ class PackedQ4Q8(CpuPackedLinear):
         q = _grouped(blocks.q, pad).view(g, ROW_GROUP, nb, 2, 4, 4)  # group, row, block, half, chunk, byte
         packed = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # low nibble: inputs 0..15 of a block, high: 16..31
         self.qs = packed.permute(0, 2, 3, 1, 4).contiguous()  # group, block, chunk, row, byte
-        self.d = _grouped(blocks.scale, pad).view(g, ROW_GROUP, nb).transpose(1, 2).to(torch.float16).contiguous()
-        self.m = _grouped(blocks.min, pad).view(g, ROW_GROUP, nb).transpose(1, 2).to(torch.float16).contiguous()
+        self.d, self.m = _by_group(blocks.scale, pad, g, nb), _by_group(blocks.min, pad, g, nb)
         self.out_features = n
         self.nbytes = self.qs.numel() + 2 * self.d.numel() * 2
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # the op itself (built when this was made, see _require): nothing else for torch.compile to trace
-        y = torch.ops.tercel_cpu_q8.q4q8_linear(x.reshape(-1, x.shape[-1]), self.qs, self.d, self.m,
-                                                self.out_features)
-        if bias is not None:
-            y = y + bias
-        return y.view(*x.shape[:-1], self.out_features)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"qs": self.qs, "d": self.d, "m": self.m, "n": torch.tensor(self.out_features)}
@@ -195,10 +205,11 @@ class PackedQ4Q8(CpuPackedLinear):
         return self
 
 
-class PackedQ8(CpuPackedLinear):
+class PackedQ8(_RowGroupLinear):
     """A GGUF Q8_0 weight [N, K] for the kernel's 8-bit variant (q8_linear): 8 rows interleaved per 2 inputs, one
     int8 per input, fp16 scales, against activations quantised to int16 per block of 32 (finer than the layers'
     Q8: it serves as the head, whose logits feed sampling). Half the bytes of the dense bf16 copy; fp32 results."""
+    op_name = "q8_linear"
 
     def __init__(self, blocks: Q8Blocks) -> None:
         n, k = blocks.q.shape
@@ -210,17 +221,10 @@ class PackedQ8(CpuPackedLinear):
         g, nb = (n + pad) // ROW_GROUP, k // Q4_GROUP
         q = _grouped(blocks.q, pad).view(g, ROW_GROUP, nb, 16, 2)  # group, row, block, chunk, byte
         self.qs = q.permute(0, 2, 3, 1, 4).contiguous()  # group, block, chunk, row, byte
-        self.d = _grouped(blocks.scale, pad).view(g, ROW_GROUP, nb).transpose(1, 2).to(torch.float16).contiguous()
-        self.m = torch.zeros_like(self.d)
+        self.d = _by_group(blocks.scale, pad, g, nb)
+        self.m = torch.zeros_like(self.d)  # the op's signature; no min term
         self.out_features = n
         self.nbytes = self.qs.numel() + 2 * self.d.numel()
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = torch.ops.tercel_cpu_q8.q8_linear(x.reshape(-1, x.shape[-1]), self.qs, self.d, self.m,
-                                                self.out_features)
-        if bias is not None:
-            y = y + bias
-        return y.view(*x.shape[:-1], self.out_features)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"qs": self.qs, "d": self.d, "n": torch.tensor(self.out_features)}
