@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))  # the checkout's tercel package
 import torch  # noqa: E402
 
 from tercel.bench.environment import command_line, cpu_name, git_commit  # noqa: E402
+from tercel.models.cpu_linear import cpu_flags  # noqa: E402
 
 Generate = Callable[[str], int]  # prompt text -> new tokens produced
 
@@ -219,7 +220,9 @@ def main() -> None:
             "times_s": {e: {k: [round(x, 3) for x in v] for k, v in per.items()} for e, per in times.items()},
             "prompt_tokens": prompt_token_counts(sets["chat"] + sets["code"], ref, hf_tok, handles.get("llama_cpp")),
             "env": {"commit": git_commit(), "torch": torch.__version__, "cpu": cpu_name(),
-                    "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": args.threads,
+                    "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                    "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c"))),
+                    "threads": args.threads,
                     "command": command_line("python", sys.argv),
                     "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                     "loadavg_1m_5m_15m": {"start": [round(x, 2) for x in load_start],

@@ -219,9 +219,9 @@ def test_speculative_greedy_equals_plain_greedy_through_it(gguf):
     model = spec_llm.engine.model
     real = CpuFusedLayers.forward
 
-    def counting(self, batch, kv, input_embeds):
+    def counting(self, model, batch, kv, input_embeds):
         calls.append(batch.input_ids.shape[0])
-        return real(self, batch, kv, input_embeds)
+        return real(self, model, batch, kv, input_embeds)
 
     CpuFusedLayers.forward = counting
     try:
@@ -247,9 +247,9 @@ def fp32_fused_context(smol_llm):
     rows: list[int] = []
     real = fused.forward
 
-    def counting(batch, kv, input_embeds):
+    def counting(model, batch, kv, input_embeds):
         rows.append(batch.input_ids.shape[0])
-        return real(batch, kv, input_embeds)
+        return real(model, batch, kv, input_embeds)
 
     fused.forward = counting
     model.cpu_fused = fused

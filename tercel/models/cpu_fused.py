@@ -82,8 +82,7 @@ class CpuFusedLayers:
     """The model's decoder layers as C++ calls; `build` says whether the model can take them."""
 
     def __init__(self, model) -> None:
-        cfg = model.config
-        self.model = model
+        cfg = model.config  # the model itself is not kept (it holds this object: no reference cycle)
         self.dtype = model.embed_tokens.weight.dtype
         self.eps = float(cfg.rms_norm_eps)
         self.scale = float(cfg.head_dim) ** -0.5
@@ -127,8 +126,8 @@ class CpuFusedLayers:
         return None
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: PagedKVCache, input_embeds: torch.Tensor | None) -> ModelOutput:
-        model = self.model
+    def forward(self, model, batch: ForwardBatch, kv: PagedKVCache, input_embeds: torch.Tensor | None) -> ModelOutput:
+        """The model's forward of this batch (the model these layers were built from)."""
         embeds = model.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
         h = embeds.float().contiguous()  # a copy for fp32 tensors too: the layers update it in place
         if h.data_ptr() == embeds.data_ptr():

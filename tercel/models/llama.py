@@ -273,7 +273,7 @@ class LlamaForCausalLM(nn.Module):
             if self.cpu_fused is False:
                 self.cpu_fused = CpuFusedLayers.build(self)
             if self.cpu_fused is not None and self.cpu_fused.unsupported(batch) is None:
-                return self.cpu_fused.forward(batch, kv, input_embeds)
+                return self.cpu_fused.forward(self, batch, kv, input_embeds)
         meta = attn_meta if attn_meta is not None else self.attn_backend.prepare(batch, kv.block_size)
         h = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
         mode = batch.capture_hidden_mode
