@@ -119,6 +119,7 @@ def main() -> None:
     from tercel.train.data import EVAL_CHAT_PROMPTS, EVAL_CODE_PROMPTS
 
     torch.set_num_threads(args.threads)
+    commit = git_commit()  # before the first write: the result file itself would make the checkout dirty
     path, n = str(default_model_path()), args.new_tokens
     load_start = os.getloadavg()
     names = args.engines.split(",")
@@ -219,7 +220,7 @@ def main() -> None:
             "compile": {e: _compile_stats(h) for e, h in handles.items() if _compile_stats(h)},
             "times_s": {e: {k: [round(x, 3) for x in v] for k, v in per.items()} for e, per in times.items()},
             "prompt_tokens": prompt_token_counts(sets["chat"] + sets["code"], ref, hf_tok, handles.get("llama_cpp")),
-            "env": {"commit": git_commit(), "torch": torch.__version__, "cpu": cpu_name(),
+            "env": {"commit": commit, "torch": torch.__version__, "cpu": cpu_name(),
                     "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                     "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c"))),
                     "threads": args.threads,
