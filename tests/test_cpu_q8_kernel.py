@@ -199,3 +199,32 @@ def test_threads_split_n_without_changing_a_bit():
 def test_a_missing_source_is_a_clear_error(tmp_path):
     with pytest.raises(Q8KernelUnavailable, match="source .* is missing.*TERCEL_CPU_Q8=0"):
         cpu_q8._build(Q8Build(source=tmp_path / "gone.cpp", root=tmp_path, cflags=cpu_q8._CFLAGS))
+
+
+def test_a_compiler_without_openmp_still_builds_it_on_one_thread(monkeypatch, tmp_path, caplog):
+    from torch.utils import cpp_extension
+
+    calls = []
+
+    def load(**kw):
+        calls.append(kw)
+        if "-fopenmp" in kw["extra_cflags"]:
+            raise RuntimeError("clang: error: unsupported option '-fopenmp'")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    with caplog.at_level(logging.WARNING, logger="tercel.models.cpu_q8"):
+        cpu_q8._build(Q8Build(source=cpu_q8._SOURCE, root=tmp_path, cflags=cpu_q8._CFLAGS))
+    assert len(calls) == 2 and "-fopenmp" not in calls[1]["extra_cflags"] and calls[1]["extra_ldflags"] == []
+    assert calls[0]["build_directory"] != calls[1]["build_directory"]  # its own cached build
+    assert any("without OpenMP" in r.getMessage() for r in caplog.records)
+
+
+def test_a_failing_build_names_the_first_error(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    def load(**kw):
+        raise RuntimeError("ninja: build stopped" if "-fopenmp" in kw["extra_cflags"] else "second failure")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    with pytest.raises(Q8KernelUnavailable, match="ninja: build stopped.*TERCEL_CPU_Q8=0"):
+        cpu_q8._build(Q8Build(source=cpu_q8._SOURCE, root=tmp_path, cflags=cpu_q8._CFLAGS))

@@ -133,8 +133,8 @@ class CpuFusedLayers:
         if h.data_ptr() == embeds.data_ptr():
             h = h.clone()
         rows = StepRows.of(batch, model.rope.cos_sin)
-        mode = batch.capture_hidden_mode
-        aux_ids = model.aux_layer_ids if mode != CaptureHiddenMode.NULL else ()
+        capture = batch.capture_hidden_mode
+        aux_ids = model.aux_layer_ids if capture != CaptureHiddenMode.NULL else ()
         aux: list[torch.Tensor] = []
         for i, weights in enumerate(self.weights):
             self.op(h, weights, self.dims, self.eps, self.scale, kv.k_layers[i], kv.v_layers[i], rows.slots,
@@ -144,4 +144,4 @@ class CpuFusedLayers:
         normed = F.rms_norm(h, self.final_norm.shape, self.final_norm, self.eps).to(self.dtype)
         every_row = batch.logits_indices.shape[0] == h.shape[0]
         logits = model.compute_logits(normed if every_row else normed[batch.logits_indices])
-        return ModelOutput(logits=logits, hidden_states=model._hidden(mode, aux, normed, batch, every_row))
+        return ModelOutput(logits=logits, hidden_states=model._hidden(capture, aux, normed, batch, every_row))

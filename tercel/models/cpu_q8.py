@@ -18,7 +18,7 @@ import hashlib
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -78,19 +78,34 @@ def _build(build: Q8Build) -> None:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise Q8KernelUnavailable("the Q4 x Q8 CPU kernel is compiled at first use and no C++ compiler was found "
                                   "(CXX or c++ on PATH): install g++ or clang++, or set TERCEL_CPU_Q8=0.")
+    try:
+        _compile(build)
+    except Exception as e:  # a compiler error, a missing ninja, an unwritable cache folder
+        serial = replace(build, cflags=tuple(f for f in build.cflags if f != "-fopenmp"))
+        if serial != build:  # a compiler without OpenMP (clang without libomp): the kernel on one thread
+            try:
+                _compile(serial)
+            except Exception:  # noqa: BLE001 (the first error is the one to report)
+                pass
+            else:
+                log.warning("the Q4 x Q8 CPU kernel was built without OpenMP (the compiler refused -fopenmp): its "
+                            "matmuls run on one thread whatever --threads says; install the compiler's OpenMP "
+                            "runtime (libgomp / libomp) to use them all")
+                return
+        raise Q8KernelUnavailable(f"could not build the Q4 x Q8 CPU kernel in {build.directory()} "
+                                  f"({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}); "
+                                  f"set TERCEL_CPU_Q8=0 to use torch's int4 kernel without trying.") from e
+
+
+def _compile(build: Q8Build) -> None:
     from torch.utils import cpp_extension
 
     where = build.directory()
     where.mkdir(parents=True, exist_ok=True)
-    try:
-        sources = [str(f) for f in build.files() if f.suffix == ".cpp"]
-        cpp_extension.load(name=f"tercel_cpu_q8_{build.key()}", sources=sources, extra_cflags=list(build.cflags),
-                           extra_ldflags=["-fopenmp"], build_directory=str(where), is_python_module=False,
-                           verbose=False)
-    except Exception as e:  # a compiler error, a missing ninja, an unwritable cache folder
-        raise Q8KernelUnavailable(f"could not build the Q4 x Q8 CPU kernel in {where} ({type(e).__name__}: "
-                                  f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); set "
-                                  f"TERCEL_CPU_Q8=0 to use torch's int4 kernel without trying.") from e
+    sources = [str(f) for f in build.files() if f.suffix == ".cpp"]
+    openmp = ["-fopenmp"] if "-fopenmp" in build.cflags else []
+    cpp_extension.load(name=f"tercel_cpu_q8_{build.key()}", sources=sources, extra_cflags=list(build.cflags),
+                       extra_ldflags=openmp, build_directory=str(where), is_python_module=False, verbose=False)
 
 
 @functools.cache
