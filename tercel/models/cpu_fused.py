@@ -125,7 +125,6 @@ class CpuFusedLayers:
             return "traced by torch.compile"
         return None
 
-    @torch.inference_mode()
     def forward(self, model, batch: ForwardBatch, kv: PagedKVCache, input_embeds: torch.Tensor | None) -> ModelOutput:
         """The model's forward of this batch (the model these layers were built from)."""
         embeds = model.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds

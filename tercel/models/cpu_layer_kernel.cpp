@@ -214,7 +214,9 @@ void attend(const float* qkv, int64_t M, const int64_t* dims, float scale, const
   // one item per (row, KV head): its query heads read each key and value once; short contexts stay on one thread
   const int64_t grain = std::max<int64_t>(1, 16384 / (longest * D * group));
   at::parallel_for(0, M * Hkv, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(group * longest), p(group);
+    thread_local std::vector<float> scores, p;  // reused across calls: no allocation per layer
+    scores.resize(group * longest);
+    p.resize(group);
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t r = item / Hkv, kh = item % Hkv;
       const int64_t end = rows.kv_len[r], start = window > 0 ? std::max<int64_t>(0, end - window) : 0;
@@ -251,8 +253,12 @@ void layer(float* h, int64_t M, at::TensorList t, const int64_t* dims, float eps
   const Proj gate_up = proj(t, kGuQs, Hd, 2 * I), down = proj(t, kDnQs, I, Hd);
   const float *norm1 = t[kNorm1].data_ptr<float>(), *norm2 = t[kNorm2].data_ptr<float>();
   const float *q_norm = optional_f32(t[kQNorm]), *k_norm = optional_f32(t[kKNorm]);
-  std::vector<float> x(M * std::max(Hd, H * D)), y(M * std::max(width, 2 * I)), act(M * I);
-  QuantizedRows q;
+  // scratch reused across calls (30+ calls a token): no allocation per layer
+  thread_local std::vector<float> x, y, act;
+  thread_local QuantizedRows q;
+  x.resize(M * std::max(Hd, H * D));
+  y.resize(M * std::max(width, 2 * I));
+  act.resize(M * I);
 
   // attention: h += o_proj(attn(rope(qkv(norm(h)))))
   for (int64_t r = 0; r < M; ++r) rms_norm(h + r * Hd, Hd, norm1, eps, x.data() + r * Hd);

@@ -173,6 +173,24 @@ def _by_group(t: torch.Tensor, pad: int, g: int, nb: int) -> torch.Tensor:
 class _RowGroupLinear(CpuPackedLinear):
     """A weight in the kernel's 8-row-group layout (qs, d, m) and the op that multiplies by it."""
     op_name: str  # torch.ops.tercel_cpu_q8.<op_name>(x, qs, d, m, n)
+    has_min: bool  # m is the weight's own (Q4_1 / Q4_0); else zeros for the op's signature, not saved
+
+    def _set(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, n: int) -> None:
+        self.qs, self.d = qs, d
+        self.m = m if m is not None else torch.zeros_like(d)
+        self.out_features = n
+        self.nbytes = qs.numel() + d.numel() * d.element_size() * (2 if self.has_min else 1)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        saved = {"qs": self.qs, "d": self.d, "n": torch.tensor(self.out_features)}
+        return saved | ({"m": self.m} if self.has_min else {})
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "_RowGroupLinear":
+        _require()
+        self = cls.__new__(cls)
+        self._set(tensors["qs"], tensors["d"], tensors.get("m") if cls.has_min else None, int(tensors["n"]))
+        return self
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # the op itself (built when this was made, see _require): nothing else for torch.compile to trace
@@ -187,6 +205,7 @@ class PackedQ4Q8(_RowGroupLinear):
     """A Q4_0 / Q4_1 weight [N, K] for the Q4 x Q8 kernel: 8 rows interleaved per 4 inputs (cpu_q8_kernel.cpp
     says how), scales and mins in fp16 (exact: GGUF stores them so)."""
     op_name = "q4q8_linear"
+    has_min = True
 
     @staticmethod
     def supports(n: int, k: int) -> bool:
@@ -202,22 +221,8 @@ class PackedQ4Q8(_RowGroupLinear):
         g, nb = (n + pad) // ROW_GROUP, k // Q4_GROUP
         q = _grouped(blocks.q, pad).view(g, ROW_GROUP, nb, 2, 4, 4)  # group, row, block, half, chunk, byte
         packed = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # low nibble: inputs 0..15 of a block, high: 16..31
-        self.qs = packed.permute(0, 2, 3, 1, 4).contiguous()  # group, block, chunk, row, byte
-        self.d, self.m = _by_group(blocks.scale, pad, g, nb), _by_group(blocks.min, pad, g, nb)
-        self.out_features = n
-        self.nbytes = self.qs.numel() + 2 * self.d.numel() * 2
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {"qs": self.qs, "d": self.d, "m": self.m, "n": torch.tensor(self.out_features)}
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "PackedQ4Q8":
-        _require()
-        self = cls.__new__(cls)
-        self.qs, self.d, self.m = tensors["qs"], tensors["d"], tensors["m"]
-        self.out_features = int(tensors["n"])
-        self.nbytes = self.qs.numel() + 2 * self.d.numel() * 2
-        return self
+        self._set(packed.permute(0, 2, 3, 1, 4).contiguous(),  # group, block, chunk, row, byte
+                  _by_group(blocks.scale, pad, g, nb), _by_group(blocks.min, pad, g, nb), n)
 
 
 class PackedQ8(_RowGroupLinear):
@@ -225,6 +230,7 @@ class PackedQ8(_RowGroupLinear):
     int8 per input, fp16 scales, against activations quantised to int16 per block of 32 (finer than the layers'
     Q8: it serves as the head, whose logits feed sampling). Half the bytes of the dense bf16 copy; fp32 results."""
     op_name = "q8_linear"
+    has_min = False
 
     def __init__(self, blocks: Q8Blocks) -> None:
         n, k = blocks.q.shape
@@ -235,21 +241,4 @@ class PackedQ8(_RowGroupLinear):
         pad = -n % ROW_GROUP
         g, nb = (n + pad) // ROW_GROUP, k // Q4_GROUP
         q = _grouped(blocks.q, pad).view(g, ROW_GROUP, nb, 16, 2)  # group, row, block, chunk, byte
-        self.qs = q.permute(0, 2, 3, 1, 4).contiguous()  # group, block, chunk, row, byte
-        self.d = _by_group(blocks.scale, pad, g, nb)
-        self.m = torch.zeros_like(self.d)  # the op's signature; no min term
-        self.out_features = n
-        self.nbytes = self.qs.numel() + 2 * self.d.numel()
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {"qs": self.qs, "d": self.d, "n": torch.tensor(self.out_features)}
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "PackedQ8":
-        _require()
-        self = cls.__new__(cls)
-        self.qs, self.d = tensors["qs"], tensors["d"]
-        self.m = torch.zeros_like(self.d)
-        self.out_features = int(tensors["n"])
-        self.nbytes = self.qs.numel() + 2 * self.d.numel()
-        return self
+        self._set(q.permute(0, 2, 3, 1, 4).contiguous(), _by_group(blocks.scale, pad, g, nb), None, n)

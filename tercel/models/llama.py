@@ -208,8 +208,8 @@ class LlamaForCausalLM(nn.Module):
         # tensor parallelism (tercel.distributed.layers.TensorParallel): this model then holds one rank's
         # shard and forwards through _forward_tp; None (one process) leaves every path below unchanged
         self.tp = None
-        # CPU: the decoder layers as one C++ call each (models.cpu_fused), decided at the first CPU forward,
-        # once the linears are packed; False until then
+        # CPU: the decoder layers as one C++ call each (models.cpu_fused), decided once the linears are packed:
+        # by the engine at start (AUTO depends on it), else at the first CPU forward; False until then
         self.cpu_fused: CpuFusedLayers | None | bool = False
 
     def init_buffers(self, device: torch.device) -> None:
