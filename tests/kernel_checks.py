@@ -375,6 +375,9 @@ def check_argmax(device: str, dtype: torch.dtype) -> None:
     assert argmax_rows(torch.empty(0, 10, device=device)).shape == (0,)
     logits = torch.randn(6, 1000, generator=g).to(device)
     assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+    ids = torch.randperm(5000, generator=g)[:1000].to(device)  # a draft vocabulary mapped into a larger one
+    assert torch.equal(argmax_rows(logits, ids), ids[logits.argmax(-1)])
+    assert torch.equal(greedy_tokens(logits, ids), ids[logits.argmax(-1)])
 
 
 def check_race(device: str, dtype: torch.dtype) -> None:
@@ -495,9 +498,72 @@ def check_dflash_paged_attention(device: str, dtype: torch.dtype) -> None:
             assert err < _tol(dtype), (splits, err)
 
 
+def check_stream_keys(device: str, dtype: torch.dtype) -> None:
+    """The one-launch stream keys equal torch's int64 arithmetic bit for bit: 1-D, 2-D, broadcast columns and rows,
+    strided views, a 0-d seed, negative seeds; tercel.sampling.stream_keys takes it on the device."""
+    from tercel.kernels.race import stream_keys_2d
+    from tercel.sampling import _GOLDEN, _mix64, stream_keys
+
+    g = torch.Generator(device="cpu").manual_seed(14)
+    seeds = torch.randint(-(2**62), 2**62, (8,), generator=g)
+    cases = [(seeds[:5], torch.arange(5)), (seeds[:3, None], torch.arange(4)),
+             (seeds[:3, None], torch.randint(0, 1000, (3, 6), generator=g)), (seeds[0], torch.arange(9)),
+             (seeds[::2], torch.arange(4)),
+             (seeds[:4, None], torch.randint(0, 9, (4, 1), generator=g) + torch.arange(5)),
+             (seeds[1], torch.tensor(5))]
+    for s, i in cases:
+        want = _mix64(_mix64(s) + i * _GOLDEN)
+        got = stream_keys_2d(s.to(device), i.to(device))
+        assert got.shape == want.shape and torch.equal(got.cpu(), want), (s, i)
+        assert torch.equal(stream_keys(s.to(device), i.to(device)).cpu(), want)
+
+
+def check_chain_accept(device: str, dtype: torch.dtype) -> None:
+    """The chained step's acceptance kernel equals the torch path on the same inputs: every accepted count from 0
+    to W - 1 (targets built to match the drafts up to a chosen place), padding requests (live 0), slots given as
+    the [W, B] layout and as a transposed view, widths off a power of two."""
+    from tercel.kernels.chain_accept import chain_accept_rows
+    from tercel.speculative import chain_accept as ca
+
+    g = torch.Generator(device="cpu").manual_seed(13)
+    for n, w in [(1, 6), (7, 6), (5, 3), (9, 8), (4, 2)]:
+        tokens = torch.randint(0, 50, (n, w), generator=g)
+        cut = torch.randint(0, w, (n,), generator=g)  # request b's first mismatch: draft cut[b] + 1
+        targets = torch.randint(50, 100, (n, w), generator=g)  # never a draft...
+        for b in range(n):
+            targets[b, :cut[b]] = tokens[b, 1:cut[b] + 1]  # ... except where they are meant to match
+        if n > 1:
+            targets[1, cut[1] + 1:] = torch.cat([tokens[1, cut[1] + 2:], tokens[1, :1]])[:w - cut[1] - 1]
+        slots_bw = torch.randint(1, 1000, (n, w), generator=g)
+        base = torch.randint(0, 300, (n,), generator=g)
+        live = (torch.rand(n, generator=g) > 0.25).long()
+        roots = torch.randint(0, 50, (n,), generator=g)
+        for slots in (slots_bw.t().contiguous(), slots_bw.t()):
+            want_base, want_roots = base.clone(), roots.clone()
+            with torch.no_grad():
+                want = ca.ChainAccepted(*[None] * 5)
+                saved = ca.use_triton
+                ca.use_triton = lambda *a: False  # the torch path, on the CPU copies
+                try:
+                    want = ca.chain_accept(targets, tokens, slots, want_base, live, want_roots)
+                finally:
+                    ca.use_triton = saved
+            got_base, got_roots = base.clone().to(device), roots.clone().to(device)
+            got = chain_accept_rows(targets.to(device), tokens.to(device), slots.to(device), got_base,
+                                    live.to(device), got_roots)
+            assert torch.equal(want.accepted, cut), (n, w)
+            for name, a, b in zip(("k", "bonus", "ext_ids", "ext_slots", "ext_seq"), got,
+                                  (want.accepted, want.bonus, want.ext_ids, want.ext_slots, want.ext_seq_lens)):
+                assert torch.equal(a.cpu(), b), (n, w, name, a, b)
+            assert torch.equal(got_base.cpu(), want_base) and torch.equal(got_roots.cpu(), want_roots), (n, w)
+    assert chain_accept_rows(*(torch.empty(0, 4, dtype=torch.long, device=device),) * 2,
+                             torch.empty(4, 0, dtype=torch.long, device=device),
+                             *(torch.empty(0, dtype=torch.long, device=device),) * 3)[0].shape == (0,)
+
+
 ALL = [check_race, check_argmax, check_norms, check_rope_store, check_decode, check_extend, check_gemv,
        check_gemv_fused, check_gemm_small, check_decode_rope, check_tree_draft_attention,
-       check_dflash_paged_attention]
+       check_dflash_paged_attention, check_chain_accept, check_stream_keys]
 
 
 def run_all(device: str, dtype: torch.dtype) -> None:

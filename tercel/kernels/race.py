@@ -8,6 +8,9 @@ first index, as torch.argmax.
 
 With `ids` (sorted-domain sampling: the row's candidates in another order), position j draws token
 ids[j]'s noise and the winner's id is returned.
+
+The stream keys themselves (tercel.sampling.stream_keys: splitmix64 of the seed, plus the draw index times the
+golden gamma, mixed again) are ~25 int64 elementwise launches in torch; `stream_keys_2d` makes them in one.
 """
 from __future__ import annotations
 
@@ -26,6 +29,38 @@ def _mix64(x, M1, M2):
     x = (x ^ (x >> 30)) * M1
     x = (x ^ (x >> 27)) * M2
     return x ^ (x >> 31)
+
+
+@triton.jit
+def _stream_keys_kernel(SEEDS, INDEX, OUT, n, cols, ss0, ss1, si0, si1, GOLDEN, M1, M2, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    r = offs // cols
+    c = offs % cols
+    seed = tl.load(SEEDS + r * ss0 + c * ss1, mask=inside, other=0).to(tl.uint64)
+    index = tl.load(INDEX + r * si0 + c * si1, mask=inside, other=0).to(tl.uint64)
+    key = _mix64(_mix64(seed, M1, M2) + index * GOLDEN, M1, M2)
+    tl.store(OUT + offs, key.to(tl.int64), mask=inside)
+
+
+def stream_keys_2d(seeds: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """tercel.sampling.stream_keys for int64 seeds and index of at most 2 dims that broadcast together (strides,
+    zero ones included, read as they are): a contiguous int64 tensor of the broadcast shape, one launch."""
+    shape = torch.broadcast_shapes(seeds.shape, index.shape)
+    if len(shape) > 2:
+        raise ValueError(f"stream_keys_2d: shapes {tuple(seeds.shape)} and {tuple(index.shape)} broadcast to "
+                         f"{tuple(shape)}; at most 2 dims.")
+    s2, i2 = seeds.expand(shape), index.expand(shape)  # views: a broadcast dim has stride 0
+    while s2.dim() < 2:
+        s2, i2 = s2.unsqueeze(0), i2.unsqueeze(0)
+    out = torch.empty(shape, dtype=torch.int64, device=seeds.device)
+    n = out.numel()
+    if n:
+        block = 128
+        _stream_keys_kernel[(triton.cdiv(n, block),)](s2, i2, out, n, s2.shape[1], s2.stride(0), s2.stride(1),
+                                                      i2.stride(0), i2.stride(1), _GOLDEN, _MIX1, _MIX2, BLOCK=block,
+                                                      num_warps=4)
+    return out
 
 
 @triton.jit

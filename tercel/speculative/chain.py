@@ -26,8 +26,8 @@ from ..graphs.buffers import BufferSpec, Pad, Per
 from ..graphs.runner import StepKind
 from ..kv import PagedKVCache
 from ..sampling import SamplingTensors, greedy_tokens, sample_rows, stream_keys
-from .eagle_steps import DraftExtendBatch, DraftLoopBatch, EagleDraftLoopStep, EagleExtendStep
-from .verify import accept_greedy_batched
+from .chain_accept import chain_accept
+from .eagle_steps import ChainPositions, DraftExtendBatch, DraftLoopBatch, EagleDraftLoopStep, EagleExtendStep
 
 
 @dataclass(slots=True)
@@ -159,7 +159,7 @@ class EagleChainStep(StepKind):
         vocab = self.target.config.vocab_size
 
         def pick(logits: torch.Tensor) -> torch.Tensor:
-            greedy = model.draft_to_target[greedy_tokens(logits)] if model.maps_vocab else greedy_tokens(logits)
+            greedy = greedy_tokens(logits, ids)
             settings = st if st is not None else sp.settings(logits.shape[-1])
             drawn = sample_rows(logits, settings, stream_keys(sp.seeds, draw), ids, vocab)
             return torch.where(sp.sampled.bool(), drawn, greedy)
@@ -170,45 +170,37 @@ class EagleChainStep(StepKind):
         n, w, bs = s.roots.shape[0], self.width, self.kv.block_size
         dev = s.roots.device
         sp = s.sampling
+        # every row's position and KV slot, once: draft step s reads row s - 1, verify and extend all of them
+        at = ChainPositions.of(s.base, s.block_tables, bs, w, self.loop.max_position)
         # draft: the chain, root first [B, W]; a sampled chain's position j + 1 draws with output draw draws + j
         draft_st = None if sp is None else sp.settings(self.loop.model.vocab_size)  # once for every draft pick
         pick = None if sp is None else (lambda j, logits: self._draft_pick(sp, sp.draws + j, draft_st)(logits))
         tokens = self.loop.body(DraftLoopBatch(s.roots, s.first, s.hidden, s.base, s.block_tables, [0] * n),
-                                 graph=True, pick=pick)
+                                graph=True, pick=pick, at=at)
         # verify: W rows per request at base .. base + W - 1, every row's logits and aux hidden states
-        j = torch.arange(w, device=dev)
-        pos = s.base[:, None] + j
-        rows = torch.arange(n, device=dev)[:, None]
-        slots = s.block_tables[rows, pos // bs] * bs + pos % bs
-        fb = ForwardBatch(input_ids=tokens.reshape(-1), positions=pos.reshape(-1), out_cache_loc=slots.reshape(-1),
-                          seq_lens=s.base + w, block_tables=s.block_tables,
-                          logits_indices=torch.arange(n * w, device=dev), query_lens=[w] * n, seq_lens_cpu=[w] * n,
-                          capture_hidden_mode=CaptureHiddenMode.FULL)
+        positions = at.request_major(at.positions)
+        fb = ForwardBatch(input_ids=tokens.reshape(-1), positions=positions,
+                          out_cache_loc=at.request_major(at.slots), seq_lens=at.seq_lens[w - 1],
+                          block_tables=s.block_tables, logits_indices=torch.arange(n * w, device=dev),
+                          query_lens=[w] * n, seq_lens_cpu=[w] * n, capture_hidden_mode=CaptureHiddenMode.FULL)
         meta = self.target.attn_backend.capture_metadata(fb, bs, w)
         out = self.target(fb, self.kv, attn_meta=meta)
         # accept: the longest prefix of drafts the target agrees with, then its own next token
         targets = greedy_tokens(out.logits).view(n, w)
         if sp is not None:  # row j: the plain sampler's draw of output token draws + j
-            keys = stream_keys(sp.seeds[:, None], sp.draws[:, None] + j)
+            keys = stream_keys(sp.seeds[:, None], sp.draws[:, None] + torch.arange(w, device=dev))
             drawn = sample_rows(out.logits, sp.settings(out.logits.shape[-1], w), keys.reshape(-1)).view(n, w)
             targets = torch.where(sp.sampled.bool()[:, None], drawn, targets)
-        k, bonus = accept_greedy_batched(targets, tokens, torch.full((n,), w, device=dev))
-        # draft_extend over the root and the k accepted drafts: row j reads the token at base + j + 1
-        kk = k[:, None]
-        shifted = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
-        ids = torch.where(j < kk, shifted, torch.where(j == kk, bonus[:, None], torch.zeros_like(shifted)))
-        ext_slots = torch.where(j <= kk, slots, torch.zeros_like(slots))
-        ext = self.extend.body(DraftExtendBatch(ids.reshape(-1), out.hidden_states, pos.reshape(-1),
-                                                   ext_slots.reshape(-1), s.base + w, s.block_tables, k, [w] * n),
-                                  graph=True)
-        # the next step's state, in place: padding rows keep base 0
-        live = s.live.bool()
+        # k, the bonus, draft_extend's rows (the root and the k accepted drafts; the rest write the dummy slot)
+        # and the next step's root and base, written in place (padding rows keep base 0)
+        acc = chain_accept(targets, tokens, at.slots, s.base, s.live, s.roots)
+        ext = self.extend.body(DraftExtendBatch(acc.ext_ids, out.hidden_states, positions, acc.ext_slots,
+                                                acc.ext_seq_lens, s.block_tables, acc.accepted, [w] * n),
+                               graph=True)
         first = ext.first
         if sp is not None:  # the next step's first draft draws with the next output token's noise
-            sp.draws.copy_(torch.where(live & sp.sampled.bool(), sp.draws + k + 1, sp.draws))
+            sp.draws.copy_(torch.where(s.live.bool() & sp.sampled.bool(), sp.draws + acc.accepted + 1, sp.draws))
             first = self._draft_pick(sp, sp.draws, draft_st)(ext.logits)
-        s.roots.copy_(torch.where(live, bonus, s.roots))
         s.first.copy_(first)
         s.hidden.copy_(ext.hidden)
-        s.base.copy_(torch.where(live, s.base + k + 1, torch.zeros_like(s.base)))
-        return ChainOutputs(tokens, k, bonus, ext.logits, first, ext.hidden)
+        return ChainOutputs(tokens, acc.accepted, acc.bonus, ext.logits, first, ext.hidden)

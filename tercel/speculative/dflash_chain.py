@@ -27,7 +27,7 @@ from ..kv import PagedKVCache
 from ..models.dflash import DFlashDraftModel
 from ..sampling import greedy_tokens, sample_rows, stream_keys
 from .chain import ChainSampling, sampling_buffers
-from .verify import accept_greedy_batched
+from .chain_accept import chain_accept
 
 
 @dataclass(slots=True)
@@ -133,14 +133,10 @@ class DFlashChainStep(StepKind):
             keys = stream_keys(sp.seeds[:, None], sp.draws[:, None] + j).reshape(-1)
             drawn = sample_rows(out.logits, sp.settings(out.logits.shape[-1], w), keys).view(n, w)
             targets = torch.where(sp.sampled.bool()[:, None], drawn, targets)
-        k, bonus = accept_greedy_batched(targets, tokens, torch.full((n,), w, device=dev))
+        # k, the bonus, and the next step's root and base in place (padding rows keep base 0)
+        acc = chain_accept(targets, tokens, slots.t(), s.base, s.live, s.roots)
         # the context grows by the root and the accepted drafts (the other rows write the dummy slot 0)
-        keep = torch.where(j[None, :] <= k[:, None], slots, torch.zeros_like(slots))
-        self.draft.inject_context(out.hidden_states, pos.reshape(-1), keep.reshape(-1), self.cache)
-        # the next step's state, in place: padding rows keep base 0
-        live = s.live.bool()
+        self.draft.inject_context(out.hidden_states, pos.reshape(-1), acc.ext_slots, self.cache)
         if sp is not None:
-            sp.draws.copy_(torch.where(live & sp.sampled.bool(), sp.draws + k + 1, sp.draws))
-        s.roots.copy_(torch.where(live, bonus, s.roots))
-        s.base.copy_(torch.where(live, s.base + k + 1, torch.zeros_like(s.base)))
-        return DFlashChainOutputs(tokens, k, bonus)
+            sp.draws.copy_(torch.where(s.live.bool() & sp.sampled.bool(), sp.draws + acc.accepted + 1, sp.draws))
+        return DFlashChainOutputs(tokens, acc.accepted, acc.bonus)

@@ -64,6 +64,30 @@ class DraftExtendBatch:
 
 
 @dataclass(slots=True)
+class ChainPositions:
+    """The positions base + j (j < W) of a chain step's rows and their KV slots, laid out [W, B] so that row j
+    (every request's j-th position) is a contiguous [B] tensor: draft step s reads row s - 1, verify and
+    draft_extend read them all. Built once per step (a handful of launches, where each draft step used to
+    compute its own)."""
+    positions: torch.Tensor  # [W, B] base + j
+    slots: torch.Tensor  # [W, B] the KV slot of each position
+    seq_lens: torch.Tensor  # [W, B] positions + 1
+    rope_positions: torch.Tensor  # [W, B] positions clamped to the draft's RoPE table
+
+    @classmethod
+    def of(cls, base: torch.Tensor, block_tables: torch.Tensor, block_size: int, width: int,
+           max_position: int) -> "ChainPositions":
+        pos = base[None, :] + torch.arange(width, device=base.device)[:, None]
+        # [MB, B].gather(0, [W, B]): entry (j, b) is request b's block of position j, contiguous in [W, B]
+        slots = block_tables.t().gather(0, pos // block_size) * block_size + pos % block_size
+        return cls(pos, slots, pos + 1, pos.clamp(max=max_position))
+
+    def request_major(self, t: torch.Tensor) -> torch.Tensor:
+        """[W, B] -> [B * W], request by request (the verify's and draft_extend's row order)."""
+        return t.t().reshape(-1)
+
+
+@dataclass(slots=True)
 class DraftStateRows:
     """What draft_extend leaves per request: the state the next draft loop starts from."""
     hidden: torch.Tensor  # [B, H]
@@ -82,8 +106,9 @@ def _attend(backend, batch: ForwardBatch, meta: object, kv: PagedKVCache):
     return lambda layer, q, k, v: backend.forward(layer, q, k, v, batch, meta, kv)
 
 
-def _to_target(model: EagleDraftModel, draft_ids: torch.Tensor) -> torch.Tensor:
-    return model.draft_to_target[draft_ids] if model.maps_vocab else draft_ids
+def _top1(model: EagleDraftModel, logits: torch.Tensor) -> torch.Tensor:
+    """The draft logits' top-1 as target ids (the mapping rides in the argmax's launch)."""
+    return greedy_tokens(logits, model.draft_to_target if model.maps_vocab else None)
 
 
 class _DraftStep(StepKind):
@@ -143,24 +168,26 @@ class EagleDraftLoopStep(_DraftStep):
         return out[:num_live]
 
     def body(self, b: DraftLoopBatch, graph: bool,
-             pick: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+             pick: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+             at: ChainPositions | None = None) -> torch.Tensor:
         """[B, num_steps + 1] target ids: the root, then the greedy chain. pick(s, logits): the target ids of
-        chain position s + 1 from the draft logits [B, Vd] (default: the top-1; a sampled chain draws)."""
+        chain position s + 1 from the draft logits [B, Vd] (default: the top-1; a sampled chain draws).
+        at: the step's positions when the caller has them (the chained step), else built here."""
         model, bs = self.model, self.kv.block_size
         n = b.roots.shape[0]
         rows = torch.arange(n, device=b.roots.device)
+        if at is None:
+            at = ChainPositions.of(b.base, b.block_tables, bs, self.num_steps, self.max_position)
         tokens, ids, h = [b.roots, b.first], b.first, b.hidden
         for s in range(1, self.num_steps):
-            pos = b.base + (s - 1)
-            slots = b.block_tables[rows, pos // bs] * bs + pos % bs
-            fb = ForwardBatch(input_ids=ids, positions=pos, out_cache_loc=slots, seq_lens=pos + 1,
-                              block_tables=b.block_tables, logits_indices=rows, query_lens=[1] * n,
-                              seq_lens_cpu=[p + s for p in b.base_cpu])
+            fb = ForwardBatch(input_ids=ids, positions=at.positions[s - 1], out_cache_loc=at.slots[s - 1],
+                              seq_lens=at.seq_lens[s - 1], block_tables=b.block_tables, logits_indices=rows,
+                              query_lens=[1] * n, seq_lens_cpu=[p + s for p in b.base_cpu])
             meta = (self.backend.capture_metadata(fb, bs, 1) if graph else self.backend.prepare(fb, bs))
-            h = model(ids, h, pos.clamp(max=self.max_position), _attend(self.backend, fb, meta, self.kv),
+            h = model(ids, h, at.rope_positions[s - 1], _attend(self.backend, fb, meta, self.kv),
                       from_target=False)
             logits = model.compute_logits(h)
-            ids = _to_target(model, greedy_tokens(logits)) if pick is None else pick(s, logits)
+            ids = _top1(model, logits) if pick is None else pick(s, logits)
             tokens.append(ids)
         return torch.stack(tokens, dim=1)
 
@@ -225,4 +252,4 @@ class EagleExtendStep(_DraftStep):
                        _attend(self.backend, fb, meta, self.kv), from_target=True)
         h_last = h[torch.arange(n, device=h.device) * w + b.last]
         logits = self.model.compute_logits(h_last)
-        return DraftStateRows(h_last, logits, _to_target(self.model, greedy_tokens(logits)))
+        return DraftStateRows(h_last, logits, _top1(self.model, logits))

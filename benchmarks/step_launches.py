@@ -1,0 +1,204 @@
+"""Kernel launches per step, counted on the CPU: the kernel budget of issue #30 outside the layers.
+
+At SmolLM2's size a GPU kernel costs ~2-3 µs whatever it does, so a step's launch count is its cost. The H200's
+profile (benchmarks/step_profile.py) counts kernels there; this script counts them anywhere, with
+tercel.kernels.launch_count.LaunchCounter (every ATen op that computes, every Triton launch), under
+TRITON_INTERPRET=1 so the CPU takes the GPU's code paths (use_triton). A tiny random Llama ("llama-tiny" shape,
+random weights) with a random one-layer EAGLE-3 head; batch 1 (or --batch); graphs on the breakable-debug
+backend (the captured step bodies run eagerly over their static buffers, as the CPU tests drive them).
+
+Per configuration, one generate of --tokens minus one of 1 token (prefill, start-up), divided by the steps
+between them (decode steps for plain, verify steps for speculation):
+  per_step   every launch of the step, host-side uploads included
+  outside    the launches outside the target's and the draft's layer stacks and the attention metadata: the
+             sampler, the draft loop's and the acceptance's bookkeeping, the heads, the state update. These are
+             the same kernels on a GPU (the layers themselves differ: torch's CPU ops here, the fused GEMVs and
+             attention kernels there; step_profile.py counts those on the H200).
+A config's `ops` lists its outside launches by op.
+
+Usage: TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/step_launches.py [--configs plain,eagle3-chain,...]
+       [--tokens 24] [--out benchmarks/results/step_launches_cpu.json]
+(tests/test_launch_budget.py runs it and holds each configuration to its budget.)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import environment  # noqa: E402
+
+GREEDY = dict(temperature=0.0)
+SAMPLED = dict(temperature=1.0, top_p=0.95, seed=7)
+EAGLE3 = dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1, speculative_num_steps=5,
+              speculative_num_draft_tokens=6, speculative_adaptive="off")
+CONFIGS = {  # name -> (engine keywords, sampling keywords)
+    "plain": ({}, GREEDY),
+    "plain-t1": ({}, SAMPLED),
+    "eagle3-chain": (EAGLE3, GREEDY),
+    "eagle3-chain-t1": (EAGLE3, SAMPLED),
+}
+
+
+def _engine(loaded, head: Path, kw: dict):
+    import torch
+
+    from tercel.engine import LLMEngine
+
+    if kw.get("speculative_algorithm") == "EAGLE3":
+        kw = {**kw, "speculative_draft_model_path": str(head)}
+    return LLMEngine(loaded=loaded, device="cpu", dtype=torch.float32, cuda_graph_backend="breakable-debug",
+                     kv_cache_memory=1 << 26, max_model_len=512, **kw)
+
+
+def _run(engine, prompts: list[list[int]], params) -> int:
+    """Generate to the end; the steps taken (verify steps when speculating, else decode steps)."""
+    before = engine.spec_stats().verify_steps if engine.spec is not None else 0
+    for p in prompts:
+        engine.add_request(p, params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    if engine.spec is not None:
+        return engine.spec_stats().verify_steps - before
+    return max(len(o.outputs[0].token_ids) for o in outs.values()) - 1
+
+
+def _pause_inside(holder: dict, engine) -> None:
+    """holder["counter"] (when set) stops inside the layer stacks and the attention metadata (see the module's
+    docstring)."""
+    def pre(*_):
+        if holder.get("counter") is not None:
+            holder["counter"].pause()
+
+    def post(*_):
+        if holder.get("counter") is not None:
+            holder["counter"].resume()
+
+    modules = [engine.loaded.model]
+    drafter = getattr(engine.spec, "drafter", None)
+    if getattr(drafter, "model", None) is not None:
+        modules.append(drafter.model)
+    for m in modules:
+        m.register_forward_pre_hook(pre)
+        m.register_forward_hook(post)
+
+
+def _pause_in_metadata(holder: dict) -> None:
+    """holder["counter"] (when set) stops in the attention metadata and the breakable-debug backend's copies
+    (once per process: class attributes)."""
+    def pre():
+        if holder.get("counter") is not None:
+            holder["counter"].pause()
+
+    def post():
+        if holder.get("counter") is not None:
+            holder["counter"].resume()
+
+    # the attention metadata (every backend instance: the target's and the draft's), and the breakable-debug
+    # backend's copy of a step's outputs into the captured ones (a full CUDA graph writes them in place)
+    from tercel.attention.torch_ref import TorchAttentionBackend
+    from tercel.attention.triton_backend import TritonAttentionBackend
+    from tercel.graphs import breakable
+
+    def pausing(original):
+        def wrapped(*a, **k):
+            pre()
+            try:
+                return original(*a, **k)
+            finally:
+                post()
+        return wrapped
+
+    for cls in (TorchAttentionBackend, TritonAttentionBackend):
+        for name in ("capture_metadata", "prepare"):
+            setattr(cls, name, pausing(getattr(cls, name)))
+    breakable.copy_into = pausing(breakable.copy_into)
+
+
+def count(name: str, loaded, head: Path, tokens: int, batch: int, holder: dict,
+          kinds: tuple[str, ...] = ("per_step", "outside")) -> dict:
+    from tercel import SamplingParams
+    from tercel.kernels.launch_count import LaunchCounter
+
+    engine_kw, sampling_kw = CONFIGS[name]
+    engine = _engine(loaded, head, dict(engine_kw))
+    prompts = [list(range(5 + i, 37 + i)) for i in range(batch)]
+
+    def params(n: int):
+        return SamplingParams(max_tokens=n, ignore_eos=True, **sampling_kw)
+
+    _run(engine, prompts, params(tokens))  # captures, first uses
+    _pause_inside(holder, engine)
+    result: dict = {}
+    for what in kinds:
+        runs = []
+        for n in (1, tokens):
+            counter = LaunchCounter()
+            holder["counter"] = counter if what == "outside" else None
+            with counter:
+                steps = _run(engine, prompts, params(n))
+            runs.append((counter, steps))
+        (c1, s1), (cn, sn) = runs
+        n_steps = max(1, sn - s1)
+        result[what] = round((cn.launches - c1.launches) / n_steps, 1)
+        if what == "outside":
+            ops = {k: round((v - c1.ops.get(k, 0)) / n_steps, 1) for k, v in cn.ops.items()}
+            result["ops"] = dict(sorted(((k, v) for k, v in ops.items() if v), key=lambda kv: -kv[1]))
+            result["steps"] = n_steps
+    if engine.spec is not None:
+        s = engine.spec_stats()
+        result["accept_length"] = round((s.accepted_tokens + s.verify_steps) / max(1, s.verify_steps), 2)
+    engine.shutdown()
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--outside-only", action="store_true", help="count only the launches outside the layers")
+    ap.add_argument("--out", default=None, help="a JSON file (default: print the JSON)")
+    args = ap.parse_args()
+    import os
+
+    import torch
+
+    from tercel.bench.shapes import random_loaded
+    from tercel.train.export import random_eagle3
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("step_launches.py: run it with TRITON_INTERPRET=1, so the CPU takes the GPU's code paths.")
+    names = args.configs.split(",")
+    bad = [n for n in names if n not in CONFIGS]
+    if bad:
+        raise SystemExit(f"--configs: unknown {bad}; choose from {list(CONFIGS)}")
+    loaded = random_loaded("llama-tiny", 512, torch.float32, "cpu")
+    head = random_eagle3(Path(tempfile.mkdtemp()) / "e3", loaded.config, draft_vocab_size=256, intermediate_size=128,
+                         aux_layer_ids=(0, 1))
+    holder: dict = {}  # the counter the pause hooks act on (set during the "outside" runs)
+    _pause_in_metadata(holder)
+    res = {"benchmark": "kernel launches per step, counted on the CPU under TRITON_INTERPRET=1 (LaunchCounter)",
+           "environment": environment(), "model": "llama-tiny shape, random weights; a random one-layer EAGLE-3 head",
+           "batch": args.batch, "tokens": args.tokens, "results": {}}
+    for name in names:
+        kinds = ("outside",) if args.outside_only else ("per_step", "outside")
+        r = res["results"][name] = count(name, loaded, head, args.tokens, args.batch, holder, kinds)
+        print(f"{name:18s} per step {r.get('per_step', float('nan')):7.1f}  outside the layers {r['outside']:7.1f}",
+              file=sys.stderr)
+    text = json.dumps(res, indent=2) + "\n"
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
