@@ -221,7 +221,10 @@ def sample_rows(logits: torch.Tensor, st: SamplingTensors, keys: torch.Tensor, v
     own settings), by the race with each row's stream key (keys [N]). Token ids [N] on the device, no sync.
     Top-k / top-p work in the sorted domain, and the race runs there too (the candidates' ids map back).
     vocab_ids [V]: column v is token vocab_ids[v] of a vocabulary of id_vocab tokens (a draft's mapped
-    vocabulary: it races against the noise the target's draw of the same output token uses)."""
+    vocabulary: it races against the noise the target's draw of the same output token uses).
+    On a GPU the filters are one launch after the sort (kernels/sample_filter.py)."""
+    if use_triton(logits) and logits.dim() == 2:
+        return _sample_rows_fused(logits, st, keys, vocab_ids, id_vocab)
     x = logits.float() / st.temperature[:, None]
     if not (st.any_top_k or st.any_top_p):
         probs = x.softmax(-1)
@@ -240,6 +243,25 @@ def sample_rows(logits: torch.Tensor, st: SamplingTensors, keys: torch.Tensor, v
     if st.any_min_p:
         probs = probs.masked_fill(probs < st.min_p[:, None] * probs[:, :1], 0.0)
     return race_keys(probs, keys, order if vocab_ids is None else vocab_ids[order], id_vocab)
+
+
+def _sample_rows_fused(logits: torch.Tensor, st: SamplingTensors, keys: torch.Tensor,
+                       vocab_ids: torch.Tensor | None, id_vocab: int | None) -> torch.Tensor:
+    """sample_rows on a GPU: the sort (when top-k or top-p is on), one filter launch, the race."""
+    from .kernels.sample_filter import filtered_probs
+
+    sort = st.any_top_k or st.any_top_p
+    x = logits.float().contiguous()
+    order = None
+    if sort:  # x / T keeps the order (T > 0): the kernel divides after the sort
+        x, order = torch.sort(x, dim=-1, descending=True)
+    probs = filtered_probs(x, st.temperature, st.top_k, st.top_p, st.min_p, sort, st.any_top_k, st.any_top_p,
+                           st.any_min_p)
+    if order is None:
+        ids = None if vocab_ids is None else vocab_ids.expand(x.shape[0], -1).contiguous()
+    else:
+        ids = order if vocab_ids is None else vocab_ids[order]
+    return race_keys(probs, keys, ids, id_vocab)
 
 
 def sample_batch(logits: torch.Tensor, reqs: list[Request], keys: torch.Tensor | None = None) -> torch.Tensor:

@@ -498,6 +498,57 @@ def check_dflash_paged_attention(device: str, dtype: torch.dtype) -> None:
             assert err < _tol(dtype), (splits, err)
 
 
+def check_sample_filter(device: str, dtype: torch.dtype) -> None:
+    """The one-launch filter (kernels/sample_filter.py) gives torch's filtered probabilities in the sorted domain
+    (the same kept set, values within a few ulps; min-p zeroes without renormalising, as sample_rows does), and
+    sample_rows through it draws torch's tokens: ties at the top-k boundary, top-k 1, off values, unsorted rows
+    with and without min-p, bf16 logits, a vocabulary off the chunk width, a mapped draft vocabulary."""
+    import tercel.sampling as sampling
+    from tercel.kernels.sample_filter import BLOCK, filtered_probs
+    from tercel.sampling import SamplingTensors, sample_rows, stream_keys
+    from tercel.sampling_params import SamplingParams
+
+    g = torch.Generator(device="cpu").manual_seed(15)
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, top_k=5),
+              SamplingParams(temperature=1.0, top_p=0.7), SamplingParams(temperature=2.0, min_p=0.1),
+              SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01),
+              SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_k=7, top_p=0.5)]
+    for v in (3 * BLOCK + 17, 49152):
+        logits = torch.randn(len(params), v, generator=g) * 3
+        logits[:, 100:110] = logits[:, 99:100]  # ties, some at the top-k boundary
+        logits[6, :20] = logits[6, :20].max()  # a tie wider than top-k
+        logits = logits.to(device, dtype)
+        st = SamplingTensors.of(params, v, torch.device(device))
+        x, order = torch.sort(logits.float(), dim=-1, descending=True)
+        got = filtered_probs(x, st.temperature, st.top_k, st.top_p, st.min_p, True, True, True, True)
+        sx = x / st.temperature[:, None]  # torch's sorted path (sampling.sample_rows on the CPU)
+        sx = sx.masked_fill(sx < sx.gather(1, (st.top_k - 1)[:, None]), float("-inf"))
+        probs = sx.softmax(-1)
+        drop = ((probs.cumsum(-1) - probs) >= st.top_p[:, None]) & (st.top_p < 1.0)[:, None]
+        probs = sx.masked_fill(drop, float("-inf")).softmax(-1)
+        want = probs.masked_fill(probs < st.min_p[:, None] * probs[:, :1], 0.0)
+        assert torch.equal(got > 0, want > 0), (v, (got > 0).sum(1), (want > 0).sum(1))
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-9), (v, (got - want).abs().max())
+        ids = torch.randperm(2 * v, generator=g)[:v].to(device)
+        for seed in range(12):
+            keys = stream_keys(torch.full((len(params),), seed), torch.arange(len(params))).to(device)
+            fused = (sample_rows(logits, st, keys), sample_rows(logits, st, keys, ids, 2 * v))
+            saved = sampling.use_triton
+            sampling.use_triton = lambda *a: False
+            try:
+                ref = (sample_rows(logits, st, keys), sample_rows(logits, st, keys, ids, 2 * v))
+            finally:
+                sampling.use_triton = saved
+            assert torch.equal(fused[0], ref[0]) and torch.equal(fused[1], ref[1]), (v, seed, fused, ref)
+        unsorted = SamplingTensors.of([SamplingParams(temperature=0.7, min_p=0.05), SamplingParams(temperature=1.3)],
+                                      v, torch.device(device))
+        got = filtered_probs(logits[:2].float(), unsorted.temperature, unsorted.top_k, unsorted.top_p,
+                             unsorted.min_p, False, False, False, True)
+        p = (logits[:2].float() / unsorted.temperature[:, None]).softmax(-1)
+        want = p.masked_fill(p < unsorted.min_p[:, None] * p.amax(-1, keepdim=True), 0.0)
+        assert torch.equal(got > 0, want > 0) and torch.allclose(got, want, rtol=1e-5, atol=1e-9), v
+
+
 def check_stream_keys(device: str, dtype: torch.dtype) -> None:
     """The one-launch stream keys equal torch's int64 arithmetic bit for bit: 1-D, 2-D, broadcast columns and rows,
     strided views, a 0-d seed, negative seeds; tercel.sampling.stream_keys takes it on the device."""
@@ -563,7 +614,8 @@ def check_chain_accept(device: str, dtype: torch.dtype) -> None:
 
 ALL = [check_race, check_argmax, check_norms, check_rope_store, check_decode, check_extend, check_gemv,
        check_gemv_fused, check_gemm_small, check_decode_rope, check_tree_draft_attention,
-       check_dflash_paged_attention, check_chain_accept, check_stream_keys]
+       check_dflash_paged_attention, check_chain_accept, check_stream_keys,
+       check_sample_filter]
 
 
 def run_all(device: str, dtype: torch.dtype) -> None:

@@ -1,0 +1,107 @@
+"""A sampled row's filtered distribution in one launch (Triton): temperature, top-k, top-p and min-p.
+
+tercel.sampling.sample_rows works in the sorted domain: the logits sorted once, then per row x / T, top-k (keep
+values >= the k-th), the softmax, top-p (drop a position once the mass before it reaches top_p; the first always
+stays), the softmax again over what is kept, min-p (zero a probability below min_p times the largest). In torch
+that is ~15 launches after the sort; here one program per row walks the row in chunks, three times (the
+normaliser; the running mass that decides top-p, and the second normaliser; the probabilities), so a batch-1
+sampled token costs the sort, this launch and the race. Unsorted rows (no top-k or top-p) take the same kernel
+with the row's maximum found in its first pass (the softmax's max shift).
+
+Each probability is exp(x - max) / sum, as torch's softmax computes it; the sums run in another order than torch's
+reductions, so a probability may differ from torch's in its last bit (the race or the top-p boundary could then
+differ at a tie that close). Graph and eager steps, plain and speculative rows all sample through this kernel on
+a GPU, so they stay token for token equal; CPU runs keep torch's ops.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048
+
+
+@triton.jit
+def _sample_filter_kernel(X, T, TOP_K, TOP_P, MIN_P, OUT, stride_x, n_cols, SORTED: tl.constexpr,
+                          ANY_TOP_K: tl.constexpr, ANY_TOP_P: tl.constexpr, ANY_MIN_P: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    out_row = OUT + row * n_cols
+    offs = tl.arange(0, BLOCK)
+    t = tl.load(T + row)
+    # the shift: the first value of a sorted row, else the row's maximum
+    if SORTED:
+        m = tl.math.div_rn(tl.load(x_row).to(tl.float32), t)
+    else:
+        mx = tl.full([BLOCK], float("-inf"), tl.float32)
+        for c in range(0, n_cols, BLOCK):
+            x = tl.load(x_row + c + offs, mask=c + offs < n_cols, other=float("-inf")).to(tl.float32)
+            mx = tl.maximum(mx, tl.math.div_rn(x, t))
+        m = tl.max(mx, 0)
+    kth = float("-inf")
+    if ANY_TOP_K:  # sorted: the k-th value; ties with it stay
+        k = tl.load(TOP_K + row)
+        kth = tl.math.div_rn(tl.load(x_row + k - 1).to(tl.float32), t)
+    # pass 1: the softmax's sum over what top-k keeps
+    acc = tl.zeros([BLOCK], tl.float32)
+    for c in range(0, n_cols, BLOCK):
+        inside = c + offs < n_cols
+        x = tl.math.div_rn(tl.load(x_row + c + offs, mask=inside, other=float("-inf")).to(tl.float32), t)
+        keep = inside & (x >= kth)
+        acc += tl.where(keep, tl.exp(x - m), 0.0)
+    s1 = tl.sum(acc, 0)
+    # pass 2 (top-p): the mass before each position decides; the kept ones' sum is the second normaliser
+    s2 = s1
+    top_p = 1.0
+    kept_n = n_cols
+    if ANY_TOP_P:
+        top_p = tl.load(TOP_P + row)
+        if top_p < 1.0:
+            carry = 0.0
+            acc2 = tl.zeros([BLOCK], tl.float32)
+            first_drop = tl.full([BLOCK], n_cols, tl.int32)
+            for c in range(0, n_cols, BLOCK):
+                inside = c + offs < n_cols
+                x = tl.math.div_rn(tl.load(x_row + c + offs, mask=inside, other=float("-inf")).to(tl.float32), t)
+                keep = inside & (x >= kth)
+                p = tl.where(keep, tl.exp(x - m) / s1, 0.0)
+                before = carry + tl.cumsum(p, 0) - p
+                drop = before >= top_p
+                first_drop = tl.minimum(first_drop, tl.where(drop & inside, c + offs, n_cols))
+                acc2 += tl.where(keep & (c + offs < tl.min(first_drop, 0)), tl.exp(x - m), 0.0)
+                carry = carry + tl.sum(p, 0)
+            kept_n = tl.min(first_drop, 0)
+            s2 = tl.sum(acc2, 0)
+    floor = 0.0
+    if ANY_MIN_P:  # zero below min_p times the largest probability (exp(0) / s2)
+        floor = tl.load(MIN_P + row) * (1.0 / s2)
+    # pass 3: the probabilities
+    for c in range(0, n_cols, BLOCK):
+        inside = c + offs < n_cols
+        x = tl.math.div_rn(tl.load(x_row + c + offs, mask=inside, other=float("-inf")).to(tl.float32), t)
+        keep = inside & (x >= kth) & (c + offs < kept_n)
+        p = tl.where(keep, tl.exp(x - m) / s2, 0.0)
+        if ANY_MIN_P:
+            p = tl.where(p < floor, 0.0, p)
+        tl.store(out_row + c + offs, p, mask=inside)
+
+
+def filtered_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor, sorted_rows: bool, any_top_k: bool, any_top_p: bool,
+                   any_min_p: bool) -> torch.Tensor:
+    """x [N, V] logits (any float dtype, last dim contiguous; sorted_rows: each row in descending order, needed
+    for top-k / top-p); per-row temperature, top_k (the kept count), top_p, min_p [N] -> float32 probabilities
+    [N, V] of the filtered distribution (0 where filtered out)."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"filtered_probs needs a [N, V] tensor with a contiguous last dim, got {tuple(x.shape)}.")
+    if (any_top_k or any_top_p) and not sorted_rows:
+        raise ValueError("filtered_probs: top-k and top-p need rows sorted in descending order.")
+    n, v = x.shape
+    out = torch.empty((n, v), dtype=torch.float32, device=x.device)
+    if n:
+        _sample_filter_kernel[(n,)](x, temperature, top_k, top_p, min_p, out, x.stride(0), v, SORTED=sorted_rows,
+                                    ANY_TOP_K=any_top_k, ANY_TOP_P=any_top_p, ANY_MIN_P=any_min_p, BLOCK=BLOCK,
+                                    num_warps=8)
+    return out
