@@ -43,15 +43,16 @@ CONFIGS = {  # name -> (engine keywords, sampling keywords)
 }
 
 
-def _engine(loaded, head: Path, kw: dict):
+def _engine(loaded, head: Path, kw: dict, batch: int):
     import torch
 
     from tercel.engine import LLMEngine
 
     if kw.get("speculative_algorithm") == "EAGLE3":
         kw = {**kw, "speculative_draft_model_path": str(head)}
+    # graphs for the batch measured only: each captured bucket runs its step body in the interpreter
     return LLMEngine(loaded=loaded, device="cpu", dtype=torch.float32, cuda_graph_backend="breakable-debug",
-                     kv_cache_memory=1 << 26, max_model_len=512, **kw)
+                     cuda_graph_max_bs=batch, kv_cache_memory=1 << 26, max_model_len=512, **kw)
 
 
 def _run(engine, prompts: list[list[int]], params) -> int:
@@ -127,7 +128,7 @@ def count(name: str, loaded, head: Path, tokens: int, batch: int, holder: dict,
     from tercel.kernels.launch_count import LaunchCounter
 
     engine_kw, sampling_kw = CONFIGS[name]
-    engine = _engine(loaded, head, dict(engine_kw))
+    engine = _engine(loaded, head, dict(engine_kw), batch)
     prompts = [list(range(5 + i, 37 + i)) for i in range(batch)]
 
     def params(n: int):

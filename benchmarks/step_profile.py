@@ -1,6 +1,7 @@
 """A step profile per algorithm (issue #30 item 4): kernels per step and device µs per step, by kernel and by phase.
 
-SmolLM2 bf16 with the bundled drafts, batch 1, greedy, one chat prompt. For each configuration:
+SmolLM2 bf16 with the bundled drafts, batch 1, greedy (the `-t1` configurations: T = 1, top-p 0.95, seeded), one
+chat prompt. For each configuration:
 - kernels: one generate of --tokens under torch.profiler (CUDA activity: graph replays' kernels are listed one
   by one) minus a generate of 1 token (prefill and start-up), divided by the steps between them (decode steps
   for plain, verify steps for speculation): kernels per step, device µs per step, the heaviest kernels.
@@ -30,7 +31,18 @@ CONFIGS = {  # name -> engine keywords (fixed width: the profile is of one step 
     "dflash": dict(speculative_algorithm="DFLASH"),
     "ddtree16": dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16),
     "ngram": dict(speculative_algorithm="NGRAM"),
+    # sampled (T = 1, top-p 0.95, seeded): the sampler's launches beside the step's
+    "plain-t1": {},
+    "eagle3-chain-t1": dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1),
 }
+SAMPLED = dict(temperature=1.0, top_p=0.95, seed=7)
+
+
+def _params(name: str, tokens: int):
+    from tercel import SamplingParams
+
+    sampling = SAMPLED if name.endswith("-t1") else dict(temperature=0)
+    return SamplingParams(max_tokens=tokens, ignore_eos=True, **sampling)
 _NOT_KERNELS = ("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")
 
 
@@ -83,11 +95,9 @@ def _kernels(llm, prompt: str, params) -> tuple[dict, int]:
     return table, _steps(llm, out)
 
 
-def profile_kernels(llm, prompt: str, tokens: int) -> dict:
-    from tercel import SamplingParams
-
-    full, steps = _kernels(llm, prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
-    head, steps0 = _kernels(llm, prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+def profile_kernels(llm, prompt: str, tokens: int, name: str = "plain") -> dict:
+    full, steps = _kernels(llm, prompt, _params(name, tokens))
+    head, steps0 = _kernels(llm, prompt, _params(name, 1))
     n = max(1, steps - steps0)
     per = {k: (c - head.get(k, (0, 0.0))[0], us - head.get(k, (0, 0.0))[1]) for k, (c, us) in full.items()}
     top = sorted(per.items(), key=lambda kv: -kv[1][1])[:20]
@@ -97,14 +107,12 @@ def profile_kernels(llm, prompt: str, tokens: int) -> dict:
                             for k, (c, us) in top]}
 
 
-def profile_phases(llm, prompt: str, tokens: int) -> dict | None:
-    from tercel import SamplingParams
-
+def profile_phases(llm, prompt: str, tokens: int, name: str = "plain") -> dict | None:
     spec = llm.engine.spec
     if spec is None:
         return None
     spec.profile.enabled = True
-    llm.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    llm.generate([prompt], _params(name, tokens))
     spec.profile.enabled = False
     return spec.profile.summary()
 
@@ -123,7 +131,7 @@ def main() -> None:
     # TERCEL_SMALL_M=1 they say why a small-M GEMM was kept or not
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("tercel.models.gemv_tuning").setLevel(logging.INFO)
-    from tercel import LLM, SamplingParams
+    from tercel import LLM
     from tercel.train.data import EVAL_CHAT_PROMPTS
 
     names = args.configs.split(",")
@@ -132,7 +140,6 @@ def main() -> None:
         raise SystemExit(f"--configs: unknown {bad}; choose from {list(CONFIGS)}")
     base = LLM(args.model, device=args.device, dtype="auto", progress=False, kv_cache_memory=1 << 30)
     prompt = base.tokenizer.apply_chat_template([{"role": "user", "content": EVAL_CHAT_PROMPTS[0]}])
-    warm = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     res: dict = {"benchmark": "step profile per algorithm: kernels and device µs per step (torch.profiler), "
                               "device µs per phase (StepProfile, unchained steps)",
                  "environment": environment(), "device": args.device, "dtype": str(base.engine.dtype),
@@ -141,19 +148,19 @@ def main() -> None:
     for name in names:
         entry: dict = {}
         for chained in (True, False):
-            if not chained and name == "plain":
+            if not chained and name.startswith("plain"):
                 continue
             llm = _engine(base, name, args.device, chained)
             for _ in range(2):
-                llm.generate([prompt], warm)  # captures, JIT, clocks
+                llm.generate([prompt], _params(name, args.tokens))  # captures, JIT, clocks
             if chained:
-                entry["kernels"] = profile_kernels(llm, prompt, args.tokens)
+                entry["kernels"] = profile_kernels(llm, prompt, args.tokens, name)
                 spec = llm.engine.spec
                 if spec is not None:
                     s = llm.engine.spec_stats()
                     entry["accept_length"] = round((s.accepted_tokens + s.verify_steps) / max(1, s.verify_steps), 3)
             else:
-                entry["phases_unchained"] = profile_phases(llm, prompt, args.tokens)
+                entry["phases_unchained"] = profile_phases(llm, prompt, args.tokens, name)
             llm.engine.shutdown()
         res["results"][name] = entry
         k = entry["kernels"]

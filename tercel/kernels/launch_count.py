@@ -23,8 +23,9 @@ _aten = torch.ops.aten
 # ops that allocate or describe memory without a kernel
 _NO_KERNEL = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
               _aten.new_empty.default, _aten.new_empty_strided.default, _aten.lift_fresh.default,
-              _aten.detach.default, _aten.detach_.default, _aten.alias.default, _aten.resize_.default,
-              _aten.set_.source_Storage, _aten.set_.source_Storage_storage_offset, _aten.set_.source_Tensor,
+              _aten.detach.default, _aten.detach_.default, _aten.alias.default, _aten._unsafe_view.default,
+              _aten.resize_.default, _aten.set_.source_Storage, _aten.set_.source_Storage_storage_offset,
+              _aten.set_.source_Tensor,
               _aten.record_stream.default, _aten.is_same_size.default, _aten.sym_size.int, _aten.sym_stride.int,
               _aten.sym_numel.default, _aten.sym_storage_offset.default, _aten.is_nonzero.default}
 _SYNCS = {_aten._local_scalar_dense.default, _aten.nonzero.default, _aten.masked_select.default,

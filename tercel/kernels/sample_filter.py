@@ -54,12 +54,11 @@ def _sample_filter_kernel(X, T, TOP_K, TOP_P, MIN_P, OUT, stride_x, n_cols, SORT
     s1 = tl.sum(acc, 0)
     # pass 2 (top-p): the mass before each position decides; the kept ones' sum is the second normaliser
     s2 = s1
-    top_p = 1.0
     kept_n = n_cols
     if ANY_TOP_P:
         top_p = tl.load(TOP_P + row)
         if top_p < 1.0:
-            carry = 0.0
+            carry = s1 * 0.0  # an fp32 scalar from the start: the compiler keeps a loop-carried type fixed
             acc2 = tl.zeros([BLOCK], tl.float32)
             first_drop = tl.full([BLOCK], n_cols, tl.int32)
             for c in range(0, n_cols, BLOCK):
