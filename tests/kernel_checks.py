@@ -618,6 +618,21 @@ ALL = [check_race, check_argmax, check_norms, check_rope_store, check_decode, ch
        check_sample_filter]
 
 
+def run_in_interpreter(check: str, timeout: int = 300) -> None:
+    """kernel_checks.<check>('cpu', float32) in a subprocess under TRITON_INTERPRET=1 (the interpreter is chosen
+    when triton is imported, so the test process itself cannot switch to it); fails with the child's output."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = ("import sys, torch; sys.path.insert(0, 'tests'); import kernel_checks as k; "
+            f"k.{check}('cpu', torch.float32); print('check ok')")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=root,
+                         timeout=timeout)
+    assert out.returncode == 0 and "check ok" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
 def run_all(device: str, dtype: torch.dtype) -> None:
     for check in ALL:
         check(device, dtype)

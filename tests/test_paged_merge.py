@@ -7,23 +7,13 @@ tests/test_gpu_graphs.py (kernel_checks.ALL)."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from kernel_checks import run_in_interpreter
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its CPU interpreter)")
 @pytest.mark.parametrize("check", ["check_tree_draft_attention", "check_dflash_paged_attention"])
 def test_paged_prefix_attention_equals_the_gathered_one(check):
     """A padding request with no prefix and (DFlash) a block cut short included; split counts 2 and more."""
-    code = ("import sys, torch; sys.path.insert(0, 'tests'); import kernel_checks as k; "
-            f"k.{check}('cpu', torch.float32); print('paged ok')")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "paged ok" in out.stdout
+    run_in_interpreter(check)
