@@ -177,7 +177,8 @@ class EagleDraftLoopStep(_DraftStep):
         n = b.roots.shape[0]
         rows = torch.arange(n, device=b.roots.device)
         if at is None:
-            at = ChainPositions.of(b.base, b.block_tables, bs, self.num_steps, self.max_position)
+            # the rows the loop reads (base .. base + num_steps - 2): no position past what the table covers
+            at = ChainPositions.of(b.base, b.block_tables, bs, self.num_steps - 1, self.max_position)
         tokens, ids, h = [b.roots, b.first], b.first, b.hidden
         for s in range(1, self.num_steps):
             fb = ForwardBatch(input_ids=ids, positions=at.positions[s - 1], out_cache_loc=at.slots[s - 1],
