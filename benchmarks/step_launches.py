@@ -26,6 +26,7 @@ import argparse
 import json
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -70,37 +71,34 @@ def _run(engine, prompts: list[list[int]], params) -> int:
     return max(len(o.outputs[0].token_ids) for o in outs.values()) - 1
 
 
-def _pause_inside(holder: dict, engine) -> None:
-    """holder["counter"] (when set) stops inside the layer stacks and the attention metadata (see the module's
-    docstring)."""
-    def pre(*_):
-        if holder.get("counter") is not None:
-            holder["counter"].pause()
+@dataclass
+class _Current:
+    """The counter the pause hooks act on (None between counting runs)."""
+    counter: object = None
 
-    def post(*_):
-        if holder.get("counter") is not None:
-            holder["counter"].resume()
+    def pause(self, *_) -> None:
+        if self.counter is not None:
+            self.counter.pause()
 
+    def resume(self, *_) -> None:
+        if self.counter is not None:
+            self.counter.resume()
+
+
+def _pause_inside(current: _Current, engine) -> None:
+    """The current counter stops inside the layer stacks (see the module's docstring)."""
     modules = [engine.loaded.model]
     drafter = getattr(engine.spec, "drafter", None)
     if getattr(drafter, "model", None) is not None:
         modules.append(drafter.model)
     for m in modules:
-        m.register_forward_pre_hook(pre)
-        m.register_forward_hook(post)
+        m.register_forward_pre_hook(current.pause)
+        m.register_forward_hook(current.resume)
 
 
-def _pause_in_metadata(holder: dict) -> None:
-    """holder["counter"] (when set) stops in the attention metadata and the breakable-debug backend's copies
-    (once per process: class attributes)."""
-    def pre():
-        if holder.get("counter") is not None:
-            holder["counter"].pause()
-
-    def post():
-        if holder.get("counter") is not None:
-            holder["counter"].resume()
-
+def _pause_in_metadata(current: _Current) -> None:
+    """The current counter stops in the attention metadata and the breakable-debug backend's copies (once per
+    process: class attributes)."""
     # the attention metadata (every backend instance: the target's and the draft's), and the breakable-debug
     # backend's copy of a step's outputs into the captured ones (a full CUDA graph writes them in place)
     from tercel.attention.torch_ref import TorchAttentionBackend
@@ -109,11 +107,11 @@ def _pause_in_metadata(holder: dict) -> None:
 
     def pausing(original):
         def wrapped(*a, **k):
-            pre()
+            current.pause()
             try:
                 return original(*a, **k)
             finally:
-                post()
+                current.resume()
         return wrapped
 
     for cls in (TorchAttentionBackend, TritonAttentionBackend):
@@ -122,7 +120,7 @@ def _pause_in_metadata(holder: dict) -> None:
     breakable.copy_into = pausing(breakable.copy_into)
 
 
-def count(name: str, loaded, head: Path, tokens: int, batch: int, holder: dict,
+def count(name: str, loaded, head: Path, tokens: int, batch: int, current: _Current,
           kinds: tuple[str, ...] = ("per_step", "outside")) -> dict:
     from tercel import SamplingParams
     from tercel.kernels.launch_count import LaunchCounter
@@ -135,13 +133,13 @@ def count(name: str, loaded, head: Path, tokens: int, batch: int, holder: dict,
         return SamplingParams(max_tokens=n, ignore_eos=True, **sampling_kw)
 
     _run(engine, prompts, params(tokens))  # captures, first uses
-    _pause_inside(holder, engine)
+    _pause_inside(current, engine)
     result: dict = {}
     for what in kinds:
         runs = []
         for n in (1, tokens):
             counter = LaunchCounter()
-            holder["counter"] = counter if what == "outside" else None
+            current.counter = counter if what == "outside" else None
             with counter:
                 steps = _run(engine, prompts, params(n))
             runs.append((counter, steps))
@@ -183,14 +181,14 @@ def main() -> None:
     loaded = random_loaded("llama-tiny", 512, torch.float32, "cpu")
     head = random_eagle3(Path(tempfile.mkdtemp()) / "e3", loaded.config, draft_vocab_size=256, intermediate_size=128,
                          aux_layer_ids=(0, 1))
-    holder: dict = {}  # the counter the pause hooks act on (set during the "outside" runs)
-    _pause_in_metadata(holder)
+    current = _Current()  # the pause hooks act on it during the "outside" runs
+    _pause_in_metadata(current)
     res = {"benchmark": "kernel launches per step, counted on the CPU under TRITON_INTERPRET=1 (LaunchCounter)",
            "environment": environment(), "model": "llama-tiny shape, random weights; a random one-layer EAGLE-3 head",
            "batch": args.batch, "tokens": args.tokens, "results": {}}
     for name in names:
         kinds = ("outside",) if args.outside_only else ("per_step", "outside")
-        r = res["results"][name] = count(name, loaded, head, args.tokens, args.batch, holder, kinds)
+        r = res["results"][name] = count(name, loaded, head, args.tokens, args.batch, current, kinds)
         print(f"{name:18s} per step {r.get('per_step', float('nan')):7.1f}  outside the layers {r['outside']:7.1f}",
               file=sys.stderr)
     text = json.dumps(res, indent=2) + "\n"
