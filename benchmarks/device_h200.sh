@@ -5,6 +5,7 @@
 #   STEP=bench          benchmarks/spec_rounds.py: every configuration in interleaved rounds
 #   STEP=bench SHAPE=llama8b SKIP=1 NAME=llama8b   the 8B shape alone (random weights, random EAGLE-3 head)
 #   STEP=profile        benchmarks/step_profile.py: kernels and device µs per step and per phase, every algorithm
+#   STEP=gaps           benchmarks/batch_gaps.py: GPU busy / idle per step of plain and adaptive engines at CONC requests
 #   STEP=offline        `tercel bench offline`: plain and every algorithm (adaptive), interleaved rounds, HF peers at bs 1
 #   STEP=memcheck       compute-sanitizer memcheck over benchmarks/spec_memcheck.py (all five algorithms)
 #   STEP=serve          `tercel serve` (EAGLE-3, adaptive by default, then plain) under `tercel bench serve` at RATES
@@ -43,6 +44,10 @@ bench)
 profile)
   timeout ${BENCH_S:-400} python3 benchmarks/step_profile.py --model $M --tokens ${TOKENS:-128} ${CONFIGS:+--configs $CONFIGS} \
     --out $OUT/step_profile_smollm2_h200_${TERCEL_COMMIT}.json 2>&1 | grep -v "^USDT\|profiler_st" | tee $OUT/step_profile.log | tail -30 ;;
+gaps)
+  timeout ${BENCH_S:-400} python3 benchmarks/batch_gaps.py --model $M --concurrency ${CONC:-64} --tokens ${TOKENS:-128} \
+    ${CONFIGS:+--configs $CONFIGS} --out $OUT/batch_gaps_smollm2_h200_${TERCEL_COMMIT}.json 2>&1 | tee $OUT/batch_gaps.log \
+    | tail -30 ;;
 offline)
   timeout ${BENCH_S:-480} python3 -m tercel bench offline --model $M --rounds ${ROUNDS:-5} --concurrency ${CONC:-1,4,16,64,256} \
     --output-len ${LEN:-128} --eagle-draft tercel/drafts/smollm2-eagle3 --dflash-draft tercel/drafts/smollm2-dflash \
