@@ -3,9 +3,11 @@
 tercel.sampling.sample_rows works in the sorted domain: the logits sorted once, then per row x / T, top-k (keep
 values >= the k-th), the softmax, top-p (drop a position once the mass before it reaches top_p; the first always
 stays), the softmax again over what is kept, min-p (zero a probability below min_p times the largest). In torch
-that is ~15 launches after the sort; here one program per row walks the row in chunks, three times (the
-normaliser; the running mass that decides top-p, and the second normaliser; the probabilities), so a batch-1
-sampled token costs the sort, this launch and the race. Unsorted rows (no top-k or top-p) take the same kernel
+that is ~15 launches after the sort; here one program per row walks the row in wide chunks, up to three times
+(the normaliser; the running mass that decides top-p, and the second normaliser, stopping where top-p cuts; the
+probabilities, only zeros stored past the cut), so a batch-1 sampled token costs the sort, this launch and the
+race. One program per row keeps the launch count down; its walk is latency-bound, hence the wide chunks and the
+early stop. Unsorted rows (no top-k or top-p) take the same kernel
 with the row's maximum found in its first pass (the softmax's max shift).
 
 Each probability is exp(x - max) / sum, as torch's softmax computes it; the sums run in another order than torch's
@@ -19,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 2048
+BLOCK = 8192  # a few wide chunks per row: one program walks it, so each chunk's load latency counts
 
 
 @triton.jit
@@ -52,7 +54,9 @@ def _sample_filter_kernel(X, T, TOP_K, TOP_P, MIN_P, OUT, stride_x, n_cols, SORT
         keep = inside & (x >= kth)
         acc += tl.where(keep, tl.exp(x - m), 0.0)
     s1 = tl.sum(acc, 0)
-    # pass 2 (top-p): the mass before each position decides; the kept ones' sum is the second normaliser
+    # pass 2 (top-p): the mass before each position decides; the kept ones' sum is the second normaliser. Rows
+    # are sorted, so once the mass before a chunk reaches top_p everything from there on drops: the walk stops
+    # (at top_p 0.95 the kept prefix is usually a chunk or two of the vocabulary)
     s2 = s1
     kept_n = n_cols
     if ANY_TOP_P:
@@ -61,7 +65,8 @@ def _sample_filter_kernel(X, T, TOP_K, TOP_P, MIN_P, OUT, stride_x, n_cols, SORT
             carry = s1 * 0.0  # an fp32 scalar from the start: the compiler keeps a loop-carried type fixed
             acc2 = tl.zeros([BLOCK], tl.float32)
             first_drop = tl.full([BLOCK], n_cols, tl.int32)
-            for c in range(0, n_cols, BLOCK):
+            c = 0
+            while (c < n_cols) & (carry < top_p):
                 inside = c + offs < n_cols
                 x = tl.math.div_rn(tl.load(x_row + c + offs, mask=inside, other=float("-inf")).to(tl.float32), t)
                 keep = inside & (x >= kth)
@@ -71,20 +76,24 @@ def _sample_filter_kernel(X, T, TOP_K, TOP_P, MIN_P, OUT, stride_x, n_cols, SORT
                 first_drop = tl.minimum(first_drop, tl.where(drop & inside, c + offs, n_cols))
                 acc2 += tl.where(keep & (c + offs < tl.min(first_drop, 0)), tl.exp(x - m), 0.0)
                 carry = carry + tl.sum(p, 0)
-            kept_n = tl.min(first_drop, 0)
+                c += BLOCK
+            kept_n = tl.minimum(tl.min(first_drop, 0), c)  # stopped early: from c on every position drops
             s2 = tl.sum(acc2, 0)
     floor = 0.0
     if ANY_MIN_P:  # zero below min_p times the largest probability (exp(0) / s2)
         floor = tl.load(MIN_P + row) * (1.0 / s2)
-    # pass 3: the probabilities
+    # pass 3: the probabilities; past the top-p prefix only zeros are stored (nothing to read or compute)
     for c in range(0, n_cols, BLOCK):
         inside = c + offs < n_cols
-        x = tl.math.div_rn(tl.load(x_row + c + offs, mask=inside, other=float("-inf")).to(tl.float32), t)
-        keep = inside & (x >= kth) & (c + offs < kept_n)
-        p = tl.where(keep, tl.exp(x - m) / s2, 0.0)
-        if ANY_MIN_P:
-            p = tl.where(p < floor, 0.0, p)
-        tl.store(out_row + c + offs, p, mask=inside)
+        if c < kept_n:
+            x = tl.math.div_rn(tl.load(x_row + c + offs, mask=inside, other=float("-inf")).to(tl.float32), t)
+            keep = inside & (x >= kth) & (c + offs < kept_n)
+            p = tl.where(keep, tl.exp(x - m) / s2, 0.0)
+            if ANY_MIN_P:
+                p = tl.where(p < floor, 0.0, p)
+            tl.store(out_row + c + offs, p, mask=inside)
+        else:
+            tl.store(out_row + c + offs, tl.zeros([BLOCK], tl.float32), mask=inside)
 
 
 def filtered_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -102,5 +111,5 @@ def filtered_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
     if n:
         _sample_filter_kernel[(n,)](x, temperature, top_k, top_p, min_p, out, x.stride(0), v, SORTED=sorted_rows,
                                     ANY_TOP_K=any_top_k, ANY_TOP_P=any_top_p, ANY_MIN_P=any_min_p, BLOCK=BLOCK,
-                                    num_warps=8)
+                                    num_warps=16)
     return out
