@@ -90,3 +90,31 @@ def test_incremental_decode_reads_a_short_window(smol_llm):
         update_text(req, Counting())
     assert req.output_text == tok.decode(ids)
     assert len(ids) > 300 and max(lengths) <= 4
+
+
+def test_final_only_requests_without_stop_strings_decode_once_at_the_end(smol_llm, monkeypatch):
+    """LLM.generate (FINAL_ONLY) without stop strings skips the per-token incremental decode and decodes the
+    output once when it finishes: the same text as the streaming path. Stop strings, or outputs handed out
+    before the end (CUMULATIVE / DELTA), keep the incremental decode."""
+    import tercel.output_sink as output_sink
+
+    calls = []
+    real = output_sink.update_text
+    monkeypatch.setattr(output_sink, "update_text", lambda req, tok: (calls.append(req.request_id), real(req, tok))[1])
+    prompts = ["Write a haiku about the sea.", "List three primes:"]
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    final = smol_llm.generate(prompts, plain)
+    assert calls == []  # nothing decoded token by token
+    streamed = [smol_llm.engine.add_request(smol_llm.tokenizer.encode(p), plain) for p in prompts]  # CUMULATIVE
+    last = {}
+    while smol_llm.engine.has_unfinished_requests():
+        last.update((o.request_id, o) for o in smol_llm.engine.step())
+    assert len(calls) >= 2 * 12  # every token of both requests
+    for out, rid in zip(final, streamed):
+        got, want = out.outputs[0], last[rid].outputs[0]
+        assert got.token_ids == want.token_ids and len(got.token_ids) == 12
+        assert got.text == want.text == smol_llm.tokenizer.decode(got.token_ids) != ""
+    calls.clear()
+    stop = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=["zzz-not-there"])
+    assert smol_llm.generate(prompts[:1], stop)[0].outputs[0].text == final[0].outputs[0].text
+    assert len(calls) == 12  # stop strings are searched as the text grows
