@@ -24,19 +24,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import environment  # noqa: E402
 from spec_rounds import CONFIGS, build, run_point  # noqa: E402
-from step_gaps import timeline  # noqa: E402
+from step_gaps import busy_idle, timeline  # noqa: E402
 
 
 def gaps(ops: list[tuple[float, float, str]], steps: int) -> dict:
     """Busy / idle µs, kernels and the heaviest kernels per step (steps: output tokens per request)."""
-    busy = idle = 0.0
-    cursor = ops[0][0]
+    busy, idle, _, _ = busy_idle(ops)
     by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
     for start, end, name in ops:
-        if start > cursor:
-            idle += start - cursor
-        busy += max(0.0, end - max(start, cursor))
-        cursor = max(cursor, end)
         by_name[name][0] += 1
         by_name[name][1] += end - start
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]

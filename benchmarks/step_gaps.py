@@ -39,16 +39,24 @@ def timeline(prof) -> list[tuple[float, float, str]]:
     return sorted(ops)
 
 
-def analyse(ops: list[tuple[float, float, str]], graph_kernels: set[str], tokens: int) -> dict:
+def busy_idle(ops: list[tuple[float, float, str]]) -> tuple[float, float, list[tuple[float, str]], float]:
+    """(busy us: the union of the ops' intervals, idle us: the rest of the span, the idle gaps as (us, the op
+    that ended each), the span's end) over a timeline in start order."""
     busy, idle, cursor = 0.0, 0.0, ops[0][0]
     gaps: list[tuple[float, str]] = []
-    outside: dict[str, float] = collections.defaultdict(float)
     for start, end, name in ops:
         if start > cursor:
             idle += start - cursor
             gaps.append((start - cursor, name))
         busy += max(0.0, end - max(start, cursor))
         cursor = max(cursor, end)
+    return busy, idle, gaps, cursor
+
+
+def analyse(ops: list[tuple[float, float, str]], graph_kernels: set[str], tokens: int) -> dict:
+    busy, idle, gaps, cursor = busy_idle(ops)
+    outside: dict[str, float] = collections.defaultdict(float)
+    for start, end, name in ops:
         if name not in graph_kernels:
             outside[name] += end - start
     by_next: dict[str, list[float]] = collections.defaultdict(list)

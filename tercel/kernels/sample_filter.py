@@ -7,8 +7,8 @@ that is ~15 launches after the sort; here one program per row walks the row in w
 (the normaliser; the running mass that decides top-p, and the second normaliser, stopping where top-p cuts; the
 probabilities, only zeros stored past the cut), so a batch-1 sampled token costs the sort, this launch and the
 race. One program per row keeps the launch count down; its walk is latency-bound, hence the wide chunks and the
-early stop. Unsorted rows (no top-k or top-p) take the same kernel
-with the row's maximum found in its first pass (the softmax's max shift).
+early stop. Unsorted rows (no top-k or top-p) take the same kernel with the row's maximum found in its first
+pass (the softmax's max shift).
 
 Each probability is exp(x - max) / sum, as torch's softmax computes it; the sums run in another order than torch's
 reductions, so a probability may differ from torch's in its last bit (the race or the top-p boundary could then
