@@ -61,11 +61,14 @@ def _replays(llm) -> int:
 
 
 def _draft_runner(llm):
-    """The tree draft loop's runner (EAGLE trees) or the block forward's (DDTREE); None for other drafters."""
-    drafter = llm.engine.spec.drafter
-    if getattr(drafter, "uses_trees", False):
-        return getattr(drafter, "tree_runner", None) or getattr(drafter, "block_runner", None)
-    return None
+    """What drafts a tree under graphs: the chained tree step (EAGLE trees: draft loop, verify, acceptance and
+    draft_extend in one replay) or the block forward (DDTREE); None for other drafters."""
+    spec = llm.engine.spec
+    if not getattr(spec.drafter, "uses_trees", False):
+        return None
+    if getattr(spec.drafter, "topk", 1) > 1:
+        return spec.chain.runner
+    return spec.drafter.block_runner
 
 
 @pytest.mark.parametrize("name", list(ALGOS))
@@ -137,7 +140,7 @@ def test_fp32_sampled_eagle_chains_run_chained_and_give_the_plain_tokens(fp32, c
                          + [dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=n, **DF)
                             for n in (2, 8, 9, 16, 32, 64)]
                          + [dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4,
-                                 speculative_num_draft_tokens=n, **E3) for n in (2, 8, 9, 16)],
+                                 speculative_num_draft_tokens=n, **E3) for n in (2, 8, 9, 16, 32, 64)],
                          ids=lambda kw: "-".join(str(v) for k, v in kw.items() if k != "speculative_draft_model_path"))
 def test_every_block_size_and_budget_runs(bf16, chats, kw):
     llm = spec_llm(bf16, cuda_graph_max_bs=4, kv_cache_memory=2 << 30, speculative_adaptive="off", **kw)
@@ -150,7 +153,7 @@ def test_every_block_size_and_budget_runs(bf16, chats, kw):
         assert _draft_runner(llm).stats.replays > 0 and _draft_runner(llm).stats.eager == 0
 
 
-@pytest.mark.parametrize("name", ["eagle3-chain", "ddtree"])
+@pytest.mark.parametrize("name", ["eagle3-chain", "eagle3-tree", "ddtree"])
 def test_batch_shrinks_with_cancellations(bf16, chats, name):
     llm = spec_llm(bf16, **GRAPH_BS, **ALGOS[name])
     eng = llm.engine

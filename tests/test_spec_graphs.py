@@ -101,8 +101,11 @@ def test_graph_mode_equals_eager_and_plain(smol_llm, prompts, plain, name):
         assert g == e == plain[:len(batch)]
     assert _replays(graph) > 0 and graph.engine.spec.verify_runner.stats.eager == 0
     assert graph.engine.stats().kv_blocks_used == 0
-    if name in ("eagle3-tree", "ddtree"):  # the whole tree draft loop / the block forward replays
-        drafts = getattr(graph.engine.spec.drafter, "tree_runner" if name == "eagle3-tree" else "block_runner")
+    if name == "eagle3-tree":  # the whole tree step (draft loop, verify, accept, draft_extend) replays
+        chain = graph.engine.spec.chain.runner
+        assert chain.stats.replays > 0 and chain.stats.eager == 0, dict(chain.stats.fallbacks)
+    if name == "ddtree":  # the block forward replays
+        drafts = graph.engine.spec.drafter.block_runner
         assert drafts.stats.replays > 0 and drafts.stats.eager == 0, dict(drafts.stats.fallbacks)
 
 
@@ -258,6 +261,43 @@ def test_chained_eagle_steps_equal_plain(smol_llm, prompts, plain, overlap):
     assert chain.runner.stats.replays > 0 and chain.inflight is None
     assert llm.engine.stats().kv_blocks_used == 0
     # a batch of one after the batch of three: the chain restarts from the request's own draft state
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params[0])] == [plain[0]]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_chained_eagle_tree_steps_equal_plain(smol_llm, prompts, plain, overlap):
+    """EAGLE trees (topk 4, 16 nodes) as one chained step: the draft loop and its re-ranking, the tree verify,
+    acceptance, the compaction of the accepted path's KV and draft_extend on the device, the state carried in
+    the graph's buffers, the host one step behind under the overlap schedule. Requests stopping at different
+    lengths get plain's tokens, paths through later siblings were accepted (their KV moved), no KV block is
+    left, and a new batch restarts the chain from each request's own draft state."""
+    from tercel.speculative.tree_chain import EagleTreeChainStep, tree_accept
+
+    moved = []
+
+    def spy(*args):
+        acc = tree_accept(*args)
+        moved.append(acc.src)
+        return acc
+
+    llm = spec_llm(smol_llm, **GRAPHS, cuda_graph_max_bs=4, disable_overlap_schedule=not overlap,
+                   speculative_adaptive="off", **ALGOS["eagle3-tree"])
+    chain = llm.engine.spec.chain
+    assert chain is not None and isinstance(chain.runner.step, EagleTreeChainStep)
+    lengths = [16, 5, 11]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    import tercel.speculative.tree_chain as tc
+    original = tc.tree_accept
+    tc.tree_accept = spy
+    try:
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        tc.tree_accept = original
+    assert outs == [p[:n] for p, n in zip(plain, lengths)]
+    assert chain.runner.stats.replays > 0 and chain.runner.stats.eager == 0 and chain.inflight is None
+    assert llm.engine.spec_stats().accepted_tokens > 0
+    assert any(bool((m != 0).any()) for m in moved)  # some accepted path left the first-child order
+    assert llm.engine.stats().kv_blocks_used == 0
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params[0])] == [plain[0]]
 
 

@@ -214,6 +214,33 @@ def test_sampled_eagle_chains_run_as_one_chained_step_with_the_plain_tokens(tiny
     assert llm.engine.stats().kv_blocks_used == 0
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_sampled_eagle_trees_run_as_one_chained_step_with_the_plain_tokens(tiny, overlap):
+    """Sampled EAGLE trees run as the sampled tree step (tree_chain.py): every node's target token is drawn in the
+    graph with the request's noise for its output position (draws + depth), greedy rows by argmax, so a seeded
+    batch mixing filters and greedy requests gets plain's tokens."""
+    from spec_utils import spec_llm
+
+    from tercel.speculative.tree_chain import EagleTreeChainStep
+
+    hf, base, draft, hot = tiny
+    llm = spec_llm(base, max_num_seqs=16, speculative_adaptive=False, cuda_graph_backend="breakable-debug",
+                   cuda_graph_max_bs=16, disable_overlap_schedule=not overlap, speculative_draft_model_path=draft,
+                   **SEEDED["eagle3-tree"])
+    chain = llm.engine.spec.chain
+    assert chain is not None and isinstance(chain.sampled.step, EagleTreeChainStep)
+    prompts = [PROMPT[: 2 + i % 4] for i in range(10)]
+    settings = [FILTERS["T1"], FILTERS["T0.7-top_p0.9"], FILTERS["top_k5"], dict(temperature=0.0),
+                dict(temperature=1.0, min_p=0.05)]
+    params = [SamplingParams(max_tokens=10 + i % 5, seed=200 + i, ignore_eos=True, **settings[i % 5])
+              for i in range(10)]
+    plain = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    assert chain.sampled.stats.replays > 0 and chain.sampled.stats.eager == 0 and chain.inflight is None
+    assert llm.engine.spec_stats().accepted_tokens > 0
+    assert llm.engine.stats().kv_blocks_used == 0
+
+
 def test_a_sampled_chain_step_that_fails_to_capture_leaves_sampled_chains_unchained(tiny, monkeypatch, caplog):
     """The sampled chain step is never fatal: when its capture fails, the engine starts, logs why, and sampled
     requests take the worker's unchained steps (still plain's tokens)."""

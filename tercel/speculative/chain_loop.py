@@ -125,7 +125,7 @@ class ChainLoop:
         return None if out is None else self._in_flight(w.reqs, out, lens, runner)
 
     def _widths(self) -> tuple[int, ...]:
-        return candidate_widths(self.width, False)
+        return candidate_widths(self.width, self.worker.drafter.uses_trees)
 
     def _sampling(self, reqs: list[Request]) -> ChainSampling:
         """The requests' sampling settings and draw counts on the device (greedy rows: sampled = 0)."""

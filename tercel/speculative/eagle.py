@@ -209,8 +209,12 @@ class EagleDrafter(Drafter):
         return self.engine.executor.runner(DRAFT_EXTEND)
 
     def chain_step(self, max_blocks: int, sampled: bool = False):
+        """The chain step (chain.py) for topk 1, the tree step (tree_chain.py) for trees."""
         if self.topk != 1:
-            return None
+            from .tree_chain import EagleTreeChainStep
+
+            return EagleTreeChainStep(self.engine.model, self.engine.kv, self.tree_step, self.extend_step, max_blocks,
+                                      sampled=sampled)
         from .chain import EagleChainStep
 
         return EagleChainStep(self.engine.model, self.engine.kv, self.loop_step, self.extend_step, max_blocks,
@@ -220,6 +224,11 @@ class EagleDrafter(Drafter):
         from .chain import ChainBatch
 
         states = [r.spec_state for r in reqs]
+        if self.topk != 1:
+            from .tree_chain import TreeChainBatch
+
+            return TreeChainBatch(roots, torch.stack([s.logits for s in states]),
+                                  torch.stack([s.hidden for s in states]), base, tables, live, sampling)
         first = torch.stack([s.first for s in states])
         if sampling is not None:  # a sampled request's first draft draws with its next output token's noise
             first = step._draft_pick(sampling, sampling.draws)(torch.stack([s.logits for s in states]))
