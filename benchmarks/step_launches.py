@@ -36,11 +36,14 @@ GREEDY = dict(temperature=0.0)
 SAMPLED = dict(temperature=1.0, top_p=0.95, seed=7)
 EAGLE3 = dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1, speculative_num_steps=5,
               speculative_num_draft_tokens=6, speculative_adaptive="off")
+TREE16 = dict(EAGLE3, speculative_eagle_topk=4, speculative_num_draft_tokens=16)
 CONFIGS = {  # name -> (engine keywords, sampling keywords)
     "plain": ({}, GREEDY),
     "plain-t1": ({}, SAMPLED),
     "eagle3-chain": (EAGLE3, GREEDY),
     "eagle3-chain-t1": (EAGLE3, SAMPLED),
+    "eagle3-tree16": (TREE16, GREEDY),
+    "eagle3-tree16-t1": (TREE16, SAMPLED),
 }
 
 

@@ -61,14 +61,12 @@ def _replays(llm) -> int:
 
 
 def _draft_runner(llm):
-    """What drafts a tree under graphs: the chained tree step (EAGLE trees: draft loop, verify, acceptance and
-    draft_extend in one replay) or the block forward (DDTREE); None for other drafters."""
+    """What drafts a tree under graphs: the chained tree step (draft, verify, acceptance and draft_extend or the
+    context injection in one replay), or DDTREE's block forward where its steps run unchained; None for chains."""
     spec = llm.engine.spec
     if not getattr(spec.drafter, "uses_trees", False):
         return None
-    if getattr(spec.drafter, "topk", 1) > 1:
-        return spec.chain.runner
-    return spec.drafter.block_runner
+    return spec.chain.runner if spec.chain is not None else spec.drafter.block_runner
 
 
 @pytest.mark.parametrize("name", list(ALGOS))
@@ -78,9 +76,9 @@ def test_graph_mode_equals_eager_mode_bf16(bf16, chats, name, monkeypatch):
     # and the same widths: adaptive widths follow measured step costs, which differ between the two engines
     # and prefix caching off: each engine prefills every prompt whole (a cached prefix, or a copy of a prompt
     # waiting for another's blocks, computes only the tail, which rounds differently in bf16)
-    # and DFLASH's separate steps: its chained step drafts over the padded context cache (the same math, other
-    # bf16 rounding, so other drafts and batches); the chained step is checked lossless in fp32 below
-    if name == "dflash":
+    # and DFLASH's and DDTREE's separate steps: their chained steps draft over the padded context cache (the same
+    # math, other bf16 rounding, so other drafts and batches); the chained steps are checked lossless in fp32 below
+    if name in ("dflash", "ddtree"):
         monkeypatch.setenv("TERCEL_SPEC_CHAIN", "0")
     graph = spec_llm(bf16, **GRAPH_BS, disable_overlap_schedule=True, speculative_adaptive="off",
                      enable_prefix_caching=False, **ALGOS[name])

@@ -101,12 +101,9 @@ def test_graph_mode_equals_eager_and_plain(smol_llm, prompts, plain, name):
         assert g == e == plain[:len(batch)]
     assert _replays(graph) > 0 and graph.engine.spec.verify_runner.stats.eager == 0
     assert graph.engine.stats().kv_blocks_used == 0
-    if name == "eagle3-tree":  # the whole tree step (draft loop, verify, accept, draft_extend) replays
+    if name in ("eagle3-tree", "ddtree"):  # the whole tree step (draft, verify, accept, extend) replays
         chain = graph.engine.spec.chain.runner
         assert chain.stats.replays > 0 and chain.stats.eager == 0, dict(chain.stats.fallbacks)
-    if name == "ddtree":  # the block forward replays
-        drafts = graph.engine.spec.drafter.block_runner
-        assert drafts.stats.replays > 0 and drafts.stats.eager == 0, dict(drafts.stats.fallbacks)
 
 
 def _prefilled(llm, prompts) -> tuple[list, list[int], torch.Tensor]:
@@ -262,6 +259,44 @@ def test_chained_eagle_steps_equal_plain(smol_llm, prompts, plain, overlap):
     assert llm.engine.stats().kv_blocks_used == 0
     # a batch of one after the batch of three: the chain restarts from the request's own draft state
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params[0])] == [plain[0]]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_chained_ddtree_steps_equal_plain(smol_llm, prompts, plain, overlap):
+    """DDTREE as one chained step: the block forward, the tree from its marginals (ddtree_chain.ddtree_nodes),
+    verify, acceptance, the accepted path's KV compaction and the context injection on the device; plain's
+    tokens at different stopping lengths with the host one step behind (overlap) or not, no KV block left, and a
+    later batch restarts it from each request's context."""
+    from tercel.speculative.ddtree_chain import DDTreeChainStep
+
+    llm = spec_llm(smol_llm, **GRAPHS, cuda_graph_max_bs=4, disable_overlap_schedule=not overlap,
+                   speculative_adaptive="off", **ALGOS["ddtree"])
+    chain = llm.engine.spec.chain
+    assert chain is not None and isinstance(chain.runner.step, DDTreeChainStep)
+    lengths = [16, 5, 11]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outs == [p[:n] for p, n in zip(plain, lengths)]
+    assert chain.runner.stats.replays > 0 and chain.runner.stats.eager == 0 and chain.inflight is None
+    assert llm.engine.spec_stats().accepted_tokens > 0
+    assert llm.engine.stats().kv_blocks_used == 0
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params[0])] == [plain[0]]
+
+
+def test_chained_sampled_ddtree_steps_give_the_plain_tokens(smol_llm, prompts):
+    """Sampled DDTREE requests run the sampled tree step: every node's target token drawn in the graph with the
+    request's noise for its output position (a greedy request beside them by argmax): plain sampling's
+    tokens."""
+    llm = spec_llm(smol_llm, **GRAPHS, cuda_graph_max_bs=4, speculative_adaptive="off", **ALGOS["ddtree"])
+    chain = llm.engine.spec.chain
+    assert chain is not None and chain.sampled is not None
+    params = [SamplingParams(max_tokens=14, seed=5, temperature=1.0, top_p=0.9, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=12, seed=9, temperature=0.7, top_k=20, ignore_eos=True)]
+    want = [o.outputs[0].token_ids for o in smol_llm.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert chain.sampled.stats.replays > 0 and chain.sampled.stats.eager == 0
+    assert llm.engine.stats().kv_blocks_used == 0
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])

@@ -39,3 +39,27 @@ def test_batched_re_ranking_keeps_the_hosts_tree(k, steps, nodes):
         assert kept[i].tolist() == want_kept and tree_parents[i].tolist() == want_parents, i
         DraftTree([0] + kept[i].tolist(), [-1] + tree_parents[i].tolist())  # a valid tree: parents come first
 
+
+
+def _paths(tokens: list[int], parents: list[int]) -> set[tuple[int, ...]]:
+    """Every node of a tree (node 0 the root) as its token path from below the root."""
+    tree = DraftTree(tokens, parents)
+    return {tuple(tree.tokens[j] for j in tree.path_to(i)[1:]) for i in range(1, len(tree))}
+
+
+@pytest.mark.parametrize("depth,k,budget", [(15, 4, 16), (7, 4, 8), (15, 4, 64), (3, 2, 2), (2, 3, 9), (5, 1, 5)])
+def test_the_device_ddtree_takes_the_hosts_nodes(depth, k, budget):
+    """ddtree_chain.ddtree_nodes (a beam per depth, the budget best of all beams) builds build_ddtree's tree:
+    the same nodes (as token paths), parents before children, for random block marginals without ties."""
+    from tercel.speculative.dflash import build_ddtree
+    from tercel.speculative.ddtree_chain import ddtree_nodes
+
+    g = torch.Generator().manual_seed(depth * 1000 + k * 10 + budget)
+    b, vocab = 8, 50
+    lp, tk = torch.randn(b, depth, vocab, generator=g).mul(2).log_softmax(-1).topk(k, dim=-1)
+    tokens, parents = ddtree_nodes(lp, tk, budget)
+    assert tokens.shape == parents.shape == (b, budget)
+    for i in range(b):
+        host = build_ddtree(lp[i], tk[i], 0, budget)
+        dev_tokens, dev_parents = [0] + tokens[i].tolist(), [-1] + parents[i].tolist()
+        assert _paths(dev_tokens, dev_parents) == _paths(host.tokens, host.parents), i

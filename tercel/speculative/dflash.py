@@ -146,8 +146,8 @@ class DFlashDrafter(Drafter):
 
     # ---- graphs ----------------------------------------------------------------------------
     def init_graphs(self, config: GraphConfig, max_blocks: int) -> None:
-        """DDTREE: the block forward, every bucket. (DFLASH's batches take the chained step; one it cannot
-        serve runs the block eagerly, sparing every bucket a [B, S - 1, V] logits buffer.)"""
+        """DDTREE: the block forward, every bucket, for the batches its chained step cannot serve. (DFLASH's
+        run the block eagerly then, sparing every bucket a [B, S - 1, V] logits buffer.)"""
         self.block_step.max_blocks = max_blocks
         if self.tree_budget is not None:
             self.engine.executor.register(DRAFT_BLOCK, self.block_step, config)
@@ -159,10 +159,15 @@ class DFlashDrafter(Drafter):
 
     # ---- the chained step (DFLASH, greedy) --------------------------------------------------
     def chain_step(self, max_blocks: int, sampled: bool = False):
-        """DFLASH's step as one chained graph step (dflash_chain.py; sampled: for batches with sampled
-        requests); DDTREE's trees take the worker's steps."""
+        """The step as one chained graph step (sampled: for batches with sampled requests): DFLASH's chain
+        (dflash_chain.py), DDTREE's tree (ddtree_chain.py; None when the block cannot hold the budget's nodes)."""
         if self.tree_budget is not None:
-            return None
+            from .ddtree_chain import DDTreeChainStep, beam_sizes
+
+            if sum(beam_sizes(self.block_size - 1, self.tree_topk, self.tree_budget)) < self.tree_budget:
+                return None
+            return DDTreeChainStep(self.engine.model, self.engine.kv, self.draft, self.cache, self.block_size,
+                                   max_blocks, self.tree_budget, self.tree_topk, sampled=sampled)
         from .dflash_chain import DFlashChainStep
 
         return DFlashChainStep(self.engine.model, self.engine.kv, self.draft, self.cache, self.block_size, max_blocks,

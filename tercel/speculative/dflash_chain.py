@@ -61,7 +61,7 @@ class DFlashChainStep(StepKind):
         """sampled: the step of batches with sampled (T > 0) requests: each draft and target token drawn with
         the request's noise for that output token (the plain sampler's), greedy rows by argmax."""
         self.target, self.kv, self.draft, self.cache = target, kv, draft, cache
-        self.width = block  # S: root + S - 1 drafts
+        self.width = self.block = block  # S: root + S - 1 drafts, all verified
         self.max_blocks = max_blocks
         self.sampled = sampled
         if sampled:
@@ -100,18 +100,25 @@ class DFlashChainStep(StepKind):
     def live_outputs(self, out: DFlashChainOutputs, num_live: int, mode: CaptureHiddenMode) -> DFlashChainOutputs:
         return DFlashChainOutputs(out.tokens[:num_live], out.accepted[:num_live], out.bonus[:num_live])
 
-    def _step(self, s: DFlashChainBatch) -> DFlashChainOutputs:
-        n, w, bs = s.roots.shape[0], self.width, self.kv.block_size
-        dev = s.roots.device
+    def _draft_block(self, s: DFlashChainBatch) -> torch.Tensor:
+        """The block [root, mask ...] at base .. base + S - 1 over the context (GPU: paged; else the table's
+        slots, past base masked): the drafts' logits [B, S - 1, V]."""
+        w, bs = self.block, self.kv.block_size
         cfg = self.draft.config
-        j = torch.arange(w, device=dev)
+        j = torch.arange(w, device=s.roots.device)
         pos = s.base[:, None] + j  # [B, S]
-        # draft: the block [root, mask ...] over the context (GPU: paged; else the table's slots, past base masked)
         ids = torch.where(j == 0, s.roots[:, None], torch.full_like(pos, cfg.mask_token_id))
         embeds = self.target.embed_tokens(ids) * cfg.input_embedding_scale
         ctx_slots, ctx_mask, paged = draft_context(s.block_tables, s.base, self.max_blocks * bs, w, self.cache, embeds)
         hidden = self.draft(embeds, pos, ctx_slots, ctx_mask, self.cache, paged=paged)
-        logits = self.target.compute_logits(hidden[:, 1:]) * cfg.output_multiplier  # [B, S - 1, V]
+        return self.target.compute_logits(hidden[:, 1:]) * cfg.output_multiplier
+
+    def _step(self, s: DFlashChainBatch) -> DFlashChainOutputs:
+        n, w, bs = s.roots.shape[0], self.width, self.kv.block_size
+        dev = s.roots.device
+        j = torch.arange(w, device=dev)
+        pos = s.base[:, None] + j  # [B, S]
+        logits = self._draft_block(s)  # [B, S - 1, V]
         flat = logits.reshape(n * (w - 1), -1)
         drafts = greedy_tokens(flat).view(n, w - 1)
         sp = s.sampling

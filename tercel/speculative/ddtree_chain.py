@@ -1,0 +1,97 @@
+"""The whole DDTREE step as one step kind: DFlash's block forward, the tree built from the block's marginals, the
+tree verify, acceptance, the accepted path's KV compaction and the context injection, all on the device, under
+the chain loop (chain_loop.py) like the DFLASH and EAGLE steps.
+
+The tree (build_ddtree's, on the device with static shapes): a node at depth d has the top-K candidates of block
+position d + 1 as children, its score the sum of the log-probabilities on its path, and the tree is the `budget`
+best nodes. Children score no higher than their parents, so the best nodes of depth d are children of the best of
+depth d - 1: a beam of `budget` nodes per depth (the top `budget` of the previous beam's children) holds every
+node the tree can take, and the tree is the `budget` best of all beams (a stable order: a parent ranks before a
+child of equal score), numbered depth by depth so that parents come before children. build_ddtree pops the same
+nodes best first; only exact ties (and float32 against float64 sums) may pick another node of equal score.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..forward_batch import CaptureHiddenMode, ForwardBatch
+from ..sampling import greedy_tokens, sample_rows, stream_keys
+from .dflash_chain import DFlashChainBatch, DFlashChainOutputs, DFlashChainStep
+from .tree import select_tree_nodes_batched
+from .tree_chain import tree_accept, tree_layout
+
+
+def beam_sizes(depth: int, topk: int, budget: int) -> list[int]:
+    """The beam width of each depth (1..depth): min(budget, what the previous beam's children number)."""
+    sizes, width = [], 1
+    for _ in range(depth):
+        width = min(budget, width * topk)
+        sizes.append(width)
+    return sizes
+
+
+def ddtree_nodes(logprobs: torch.Tensor, tokens: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logprobs, tokens [B, D, K] (block position d + 1's top-K, best first) -> (tree tokens, tree parents)
+    [B, budget], parents as node ids (0: the root), parents before children. Needs sum(beam_sizes) >= budget."""
+    b, d, k = logprobs.shape
+    scores, toks, parents = [], [], []
+    beam = logprobs[:, 0, :budget]  # depth 1: the root's children, best first
+    width = beam.shape[1]
+    scores.append(beam)
+    toks.append(tokens[:, 0, :width])
+    parents.append(torch.full((b, width), -1, dtype=torch.long, device=logprobs.device))
+    offset = 0  # the candidate index of the current beam's first node
+    for depth in range(1, d):
+        children = (beam[:, :, None] + logprobs[:, depth, None, :]).reshape(b, width * k)
+        beam, idx = children.topk(min(budget, width * k), dim=-1)  # sorted, best first
+        scores.append(beam)
+        toks.append(tokens[:, depth].gather(1, idx % k))
+        parents.append(offset + idx // k)
+        offset += width
+        width = beam.shape[1]
+    kept, tree_parents = select_tree_nodes_batched(torch.cat(scores, 1), torch.cat(parents, 1), budget)
+    return torch.cat(toks, 1).gather(1, kept), tree_parents
+
+
+class DDTreeChainStep(DFlashChainStep):
+    """DFlashChainStep's state and buffers; the block's drafts become a tree of `budget` nodes."""
+
+    def __init__(self, target: torch.nn.Module, kv, draft, cache, block: int, max_blocks: int, budget: int,
+                 topk: int, sampled: bool = False) -> None:
+        super().__init__(target, kv, draft, cache, block, max_blocks, sampled)
+        self.name = "ddtree_chain_sampled" if sampled else "ddtree_chain"
+        self.budget, self.topk = budget, topk
+        self.width = budget + 1  # N: root + the tree's nodes, all verified
+        if sum(beam_sizes(block - 1, topk, budget)) < budget:
+            raise ValueError(f"ddtree chain step: a block of {block} with top-{topk} candidates holds fewer than "
+                             f"{budget} nodes.")
+
+    def _step(self, s: DFlashChainBatch) -> DFlashChainOutputs:
+        n, w, bs = s.roots.shape[0], self.width, self.kv.block_size
+        dev = s.roots.device
+        sp = s.sampling
+        logits = self._draft_block(s)  # [B, S - 1, V]
+        lp, tk = logits.float().log_softmax(-1).topk(self.topk, dim=-1)
+        tree = tree_layout(s.roots, *ddtree_nodes(lp, tk, self.budget), self.block - 1)
+        # verify: node j at slot base + j, RoPE position base + depth[j], under its ancestor mask
+        j = torch.arange(w, device=dev)
+        slots = s.block_tables[torch.arange(n, device=dev)[:, None], (s.base[:, None] + j) // bs] * bs \
+            + (s.base[:, None] + j) % bs  # [B, N]
+        fb = ForwardBatch(input_ids=tree.tokens.reshape(-1), positions=(s.base[:, None] + tree.depth).reshape(-1),
+                          out_cache_loc=slots.reshape(-1), seq_lens=s.base + w, block_tables=s.block_tables,
+                          logits_indices=torch.arange(n * w, device=dev), query_lens=[w] * n, seq_lens_cpu=[w] * n,
+                          custom_masks=list(tree.masks.unbind(0)), capture_hidden_mode=CaptureHiddenMode.FULL)
+        out = self.target(fb, self.kv, attn_meta=self.target.attn_backend.capture_metadata(fb, bs, w))
+        targets = greedy_tokens(out.logits).view(n, w)
+        if sp is not None:  # node j: the plain sampler's draw of output token draws + depth[j]
+            keys = stream_keys(sp.seeds[:, None], sp.draws[:, None] + tree.depth).reshape(-1)
+            drawn = sample_rows(out.logits, sp.settings(out.logits.shape[-1], w), keys).view(n, w)
+            targets = torch.where(sp.sampled.bool()[:, None], drawn, targets)
+        positions = (s.base[:, None] + j).reshape(-1)  # before tree_accept moves base on
+        acc = tree_accept(targets, tree, slots.t(), s.base, s.live, s.roots)
+        self.kv.copy_slots(acc.src, acc.dst)  # the accepted path's target KV to base + 1 .. base + k
+        # the context grows by the root and the accepted path (the other rows write the dummy slot 0)
+        self.draft.inject_context(out.hidden_states[acc.ext_rows], positions, acc.ext_slots, self.cache)
+        if sp is not None:
+            sp.draws.copy_(torch.where(s.live.bool() & sp.sampled.bool(), sp.draws + acc.accepted + 1, sp.draws))
+        return DFlashChainOutputs(acc.path_tokens, acc.accepted, acc.bonus)
