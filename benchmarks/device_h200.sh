@@ -8,6 +8,8 @@
 #   STEP=gaps           benchmarks/batch_gaps.py: GPU busy / idle per step of plain and adaptive engines at CONC requests
 #   STEP=offline        `tercel bench offline`: plain and every algorithm (adaptive), interleaved rounds, HF peers at bs 1
 #   STEP=memcheck       compute-sanitizer memcheck over benchmarks/spec_memcheck.py (all five algorithms)
+#   STEP=probe          benchmarks/verify_probe.py: the small-M tuner's choice per role and row bucket (row-loop,
+#                       tl.dot and broadcast kernels against cuBLAS + the unfused ops) and verify steps fused / unfused
 #   STEP=serve          `tercel serve` (EAGLE-3, adaptive by default, then plain) under `tercel bench serve` at RATES
 #                       (carry .carry/whl .carry/whlserve: fastapi, uvicorn, pydantic, xgrammar are not installed there)
 # Logs and results land in $OUT as they are written, so a cut call still returns them.
@@ -44,6 +46,9 @@ bench)
 profile)
   timeout ${BENCH_S:-400} python3 benchmarks/step_profile.py --model $M --tokens ${TOKENS:-128} ${CONFIGS:+--configs $CONFIGS} \
     --out $OUT/step_profile_smollm2_h200_${TERCEL_COMMIT}.json 2>&1 | grep -v "^USDT\|profiler_st" | tee $OUT/step_profile.log | tail -30 ;;
+probe)
+  timeout ${BENCH_S:-300} python3 benchmarks/verify_probe.py --shapes ${SHAPES:-smol} --tokens ${TOKENS:-1,2,8,16} \
+    --out $OUT/verify_probe_h200_${TERCEL_COMMIT}.json 2>&1 | tee $OUT/verify_probe.log | tail -30 ;;
 gaps)
   timeout ${BENCH_S:-400} python3 benchmarks/batch_gaps.py --model $M --concurrency ${CONC:-64} --tokens ${TOKENS:-128} \
     ${CONFIGS:+--configs $CONFIGS} --out $OUT/batch_gaps_smollm2_h200_${TERCEL_COMMIT}.json 2>&1 | tee $OUT/batch_gaps.log \

@@ -268,9 +268,12 @@ def check_gemm_small(device: str, dtype: torch.dtype) -> None:
     cases = [(2, 40, 96, GemvConfig(block_n=8, block_k=32)),
              (5, 33, 80, GemvConfig(block_n=4, block_k=32, split_k=2)),
              (13, 48, 96, GemvConfig(block_n=16, block_k=32, dot=True)),
-             (32, 40, 64, GemvConfig(block_n=16, block_k=16, split_k=3, dot=True))]
-    if dtype != torch.float32:  # bf16 under the interpreter is slow: the two kernels, one case each
-        cases = cases[1:3]
+             (32, 40, 64, GemvConfig(block_n=16, block_k=16, split_k=3, dot=True)),
+             (6, 33, 80, GemvConfig(block_n=4, block_k=128, rowloop=True)),
+             (16, 40, 96, GemvConfig(block_n=8, block_k=128, num_warps=8, rowloop=True)),
+             (3, 40, 64, GemvConfig(block_n=2, block_k=64, rowloop=True))]
+    if dtype != torch.float32:  # bf16 under the interpreter is slow: the three kernels, one case each
+        cases = cases[1:3] + cases[4:5]
     tol = _tol(dtype) / (4 if dtype == torch.float32 else 2)  # bf16: both sides round the product, then the sum
     for m, n, k, c in cases:
         d = _small_m_case(device, dtype, m, n, k, g)
@@ -295,11 +298,13 @@ def check_gemm_small(device: str, dtype: torch.dtype) -> None:
     exact = F.linear(xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * d["nw"].double(), d["w"].double())
     unfused = F.linear(rms_norm(d["x"], d["nw"], 1e-5), d["w"])
     for c in (GemvConfig(block_n=8, block_k=32, norm_after=True), GemvConfig(block_n=16, block_k=32, norm_after=True,
-                                                                            dot=True)):
+                                                                            dot=True),
+              GemvConfig(block_n=4, block_k=128, norm_after=True, rowloop=True)):
         y = gemv(d["x"], d["w"], c, norm_weight=d["nw"], eps=1e-5)
         bound = max(_rel(unfused, exact), 1e-6) * 1.5 + (1e-6 if dtype == torch.float32 else 4e-3)
         assert _rel(y, exact) <= bound, (c, _rel(y, exact), bound)
-    for bad in (GemvConfig(block_n=16, block_k=32, split_k=2, norm_after=True), GemvConfig(block_n=8, dot=True)):
+    for bad in (GemvConfig(block_n=16, block_k=32, split_k=2, norm_after=True), GemvConfig(block_n=8, dot=True),
+                GemvConfig(block_n=4, block_k=64, rowloop=True)):  # K = 96 does not fit one 64-wide tile
         try:
             gemv(d["x"], d["w"], bad, norm_weight=d["nw"], eps=1e-5)
         except ValueError:
@@ -612,10 +617,79 @@ def check_chain_accept(device: str, dtype: torch.dtype) -> None:
                              *(torch.empty(0, dtype=torch.long, device=device),) * 3)[0].shape == (0,)
 
 
+def check_tree_accept(device: str, dtype: torch.dtype) -> None:
+    """The chained tree step's layout and acceptance kernels equal the torch paths on the same inputs: random trees
+    (parents before children, depths up to the walk's limit) of 2 to 64 nodes, targets that follow a random path
+    some way down (so accepted paths leave the first-child order and KV moves), padding requests (live 0), slots
+    given as the [N, B] layout and as a transposed view."""
+    from tercel.kernels.tree_accept import tree_accept_rows, tree_layout_rows
+    from tercel.speculative import tree_chain as tc
+
+    g = torch.Generator(device="cpu").manual_seed(17)
+    for n, w, max_depth in [(1, 2, 5), (5, 6, 5), (3, 16, 5), (4, 17, 15), (2, 64, 15), (6, 9, 3)]:
+        parents = torch.zeros(n, w - 1, dtype=torch.long)
+        depth_of = torch.zeros(n, w, dtype=torch.long)
+        for b in range(n):
+            for j in range(1, w):  # a parent among the earlier nodes that is not already at the deepest level
+                choices = [p for p in range(j) if depth_of[b, p] < max_depth]
+                p_ = choices[int(torch.randint(0, len(choices), (1,), generator=g))]
+                parents[b, j - 1], depth_of[b, j] = p_, depth_of[b, p_] + 1
+        tree_tokens = torch.randint(0, 40, (n, w - 1), generator=g)
+        roots = torch.randint(0, 40, (n,), generator=g)
+        with torch.no_grad():
+            saved = tc.use_triton
+            tc.use_triton = lambda *a: False  # the torch paths, on the CPU copies
+            try:
+                want_layout = tc.tree_layout(roots, tree_tokens, parents, max_depth)
+            finally:
+                tc.use_triton = saved
+        got = tree_layout_rows(roots.to(device), tree_tokens.to(device), parents.to(device), max_depth)
+        for name, a, b_ in zip(("tokens", "parents", "depth", "masks"), got,
+                               (want_layout.tokens, want_layout.parents, want_layout.depth, want_layout.masks)):
+            assert torch.equal(a.cpu(), b_), (n, w, name)
+        assert torch.equal(want_layout.depth, depth_of), (n, w)
+        # targets: no draft's token, except along the path to a deep node, cut at a random depth
+        targets = torch.randint(100, 140, (n, w), generator=g)
+        tokens, par = want_layout.tokens, want_layout.parents
+        for b in range(n):
+            node = int(torch.randint(w // 2, w, (1,), generator=g))
+            path = [node]
+            while path[-1] != 0:
+                path.append(int(par[b, path[-1]]))
+            keep = int(torch.randint(0, len(path), (1,), generator=g)) if b % 2 else len(path) - 1
+            for c in path[len(path) - 1 - keep:-1]:  # the kept edges nearest the root
+                targets[b, par[b, c]] = tokens[b, c]
+        slots_bw = torch.randint(1, 1000, (n, w), generator=g)
+        base = torch.randint(0, 300, (n,), generator=g)
+        live = (torch.rand(n, generator=g) > 0.25).long()
+        live[0] = 1
+        for slots in (slots_bw.t().contiguous(), slots_bw.t()):
+            want_base, want_roots = base.clone(), roots.clone()
+            with torch.no_grad():
+                saved = tc.use_triton
+                tc.use_triton = lambda *a: False
+                try:
+                    want = tc.tree_accept(targets, want_layout, slots, want_base, live, want_roots)
+                finally:
+                    tc.use_triton = saved
+            got_base, got_roots = base.clone().to(device), roots.clone().to(device)
+            got = tree_accept_rows(targets.to(device), *(t.to(device) for t in (want_layout.tokens,
+                                   want_layout.parents, want_layout.depth, want_layout.masks)), slots.to(device),
+                                   got_base, live.to(device), got_roots)
+            for name, a, b_ in zip(("path_tokens", "accepted", "bonus", "src", "dst", "ext_ids", "ext_rows",
+                                    "ext_slots", "ext_seq_lens"), got,
+                                   (want.path_tokens, want.accepted, want.bonus, want.src, want.dst, want.ext_ids,
+                                    want.ext_rows, want.ext_slots, want.ext_seq_lens)):
+                assert torch.equal(a.cpu(), b_), (n, w, name, a, b_)
+            assert torch.equal(got_base.cpu(), want_base) and torch.equal(got_roots.cpu(), want_roots), (n, w)
+        if w >= 16:
+            assert int(want.accepted.max()) >= 2 and bool((want.src != 0).any()), (n, w)  # deep paths, KV moves
+
+
 ALL = [check_race, check_argmax, check_norms, check_rope_store, check_decode, check_extend, check_gemv,
        check_gemv_fused, check_gemm_small, check_decode_rope, check_tree_draft_attention,
        check_dflash_paged_attention, check_chain_accept, check_stream_keys,
-       check_sample_filter]
+       check_sample_filter, check_tree_accept]
 
 
 def run_in_interpreter(check: str, timeout: int = 300) -> None:

@@ -6,6 +6,9 @@ power of two), so the weight traffic is that of batch-1 decode. Two inner produc
   dot=False  broadcast multiply and a reduction over the chunk, in fp32 (the tuner: 2 and 4 rows)
   dot=True   tl.dot on the tensor cores, M padded to at least 16 (the fp32 model dtype uses the exact
              "ieee" precision, so fp32 stays fp32 arithmetic)
+  rowloop    the batch-1 GEMV's own pattern, row after row: each program holds its BLOCK_N x K weight tile (one
+             chunk: K <= BLOCK_K, read before the PDL wait) and reduces it against each row of x in turn, so
+             no 3D product tile and no layout change (the rows' loads are independent and issue together)
 Every fusion of tercel.kernels.gemv comes along, per row and with the same rounding: the RMSNorm
 prologue (the normalised value rounded to the model dtype, times the weight, rounded again; or
 norm_after: no pre-pass over x, the rms applied to the fp32 product), the SwiGLU prologue, the residual
@@ -117,8 +120,59 @@ def _gemm_small_kernel(X, W, Y, R, NW, M, K, K_PER_SPLIT, stride_x, stride_w, N,
         tl.store(Y + split * M * N + out, y, mask=om)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _gemm_rows_kernel(X, W, Y, R, NW, M, K, stride_x, stride_w, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, NORM: tl.constexpr, NORM_AFTER: tl.constexpr, SILU: tl.constexpr,
+                      ADD: tl.constexpr, PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns: weight rows
+    rm = rows < N
+    cols = tl.arange(0, BLOCK_K)
+    km = cols < K
+    # the whole tile, before the wait: weights never depend on the previous kernel
+    w = tl.load(W + rows.to(tl.int64)[:, None] * stride_w + cols[None, :], mask=rm[:, None] & km[None, :],
+                other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
+    nw = tl.zeros([BLOCK_K], tl.float32)
+    if NORM:
+        nw = tl.load(NW + cols, mask=km, other=0.0).to(tl.float32)
+    if PDL >= 2:  # the weights are all read: the next kernel may take the SMs this one leaves
+        tl.extra.cuda.gdc_launch_dependents()
+    for m in tl.static_range(BLOCK_M):  # masked, not branched: the rows' loads are independent
+        xm = km & (cols * 0 + m < M)  # as tensors: M is a runtime value
+        xp = X + m * stride_x + cols
+        xv = tl.load(xp, mask=xm, other=0.0)
+        raw = xv.to(tl.float32)
+        if SILU:  # as fused.silu_mul: silu(gate) rounded, then the product rounded
+            u = tl.load(xp + K, mask=xm, other=0.0)
+            s = (raw / (1.0 + tl.exp(-raw))).to(xv.dtype)
+            x = (s.to(tl.float32) * u.to(tl.float32)).to(xv.dtype).to(tl.float32)
+        elif NORM_AFTER:  # x * w exact in fp32; 1/rms after the product
+            x = raw * nw
+        elif NORM:  # as fused.rms_norm: normalised value rounded, times the weight, rounded
+            rstd = tl.rsqrt(tl.sum(raw * raw, 0) / K + eps)
+            x = ((raw * rstd).to(xv.dtype).to(tl.float32) * nw).to(xv.dtype).to(tl.float32)
+        else:
+            x = raw
+        y = tl.sum(w * x[None, :], 1)
+        if NORM_AFTER:
+            y = y * tl.rsqrt(tl.sum(raw * raw, 0) / K + eps)
+        y = y.to(X.dtype.element_ty).to(tl.float32)  # rounded as an op in x's dtype (also for fp32 logits)
+        ym = rm & (rows * 0 + m < M)
+        if ADD:
+            r = tl.load(R + m * N + rows, mask=ym, other=0.0)
+            y = (y + r.to(tl.float32)).to(X.dtype.element_ty).to(tl.float32)
+        tl.store(Y + m * N + rows, y.to(Y.dtype.element_ty), mask=ym)
+
+
 def check_config(config, m: int, k: int, silu: bool, norm: bool) -> None:
     """Refuse what the small-M kernel cannot run, naming the bad value."""
+    if config.rowloop and (config.dot or config.split_k != 1 or config.block_k < k):
+        raise ValueError(f"gemm_small: {config} loops over rows against one weight tile: it needs dot=False, "
+                         f"split_k=1 and block_k >= K ({k}).")
     if config.dot and (config.block_n < 16 or config.block_k < 16):
         raise ValueError(f"gemm_small: {config} uses tl.dot, which needs block_n and block_k >= 16.")
     if config.norm_after and (not norm or config.split_k != 1):
@@ -144,6 +198,14 @@ def gemm_small(x: torch.Tensor, weight: torch.Tensor, config, *, norm_weight: to
         raise ValueError(f"gemm_small: residual of shape {tuple(residual.shape)} does not fit [{m}, {n}].")
     block_m = max(row_bucket(m), 16 if c.dot else 1)
     y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    if c.rowloop:  # compiled for 8 and 16 rows (the masked rows past m cost their reductions only)
+        pdl = pdl_mode(x)
+        _gemm_rows_kernel[(triton.cdiv(n, c.block_n),)](
+            x, weight, y, residual if residual is not None else y, norm_weight if norm_weight is not None else x, m,
+            k, x.stride(0), weight.stride(0), n, eps, BLOCK_M=max(8, block_m), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+            NORM=norm_weight is not None, NORM_AFTER=c.norm_after, SILU=silu, ADD=residual is not None, PDL=pdl,
+            num_warps=c.num_warps, **(dict(launch_pdl=True) if pdl else {}))
+        return y
     per_split = triton.cdiv(triton.cdiv(k, c.split_k), c.block_k) * c.block_k  # whole chunks per split
     splits = triton.cdiv(k, per_split)
     out = y if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)

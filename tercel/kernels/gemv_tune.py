@@ -21,7 +21,8 @@ measured once per row bucket (2, 4, 8, 16, 32), at the bucket's full row count, 
 that many rows (cuBLAS GEMMs); a bucket whose role loses keeps the unfused ops. The tl.dot configs pad to
 16 rows, so one compiled kernel serves buckets 2..16 (and one 32): the buckets cost timing, not compiles;
 the broadcast-product configs (narrow programs, as batch 1 wins with) up to 4, 8 or 16 rows, as their register
-tile allows.
+tile allows; and the row-loop configs (kernels.gemm_small: batch 1's GEMV applied row after row to a weight tile
+of the whole K), where K fits one tile.
 """
 from __future__ import annotations
 
@@ -131,9 +132,21 @@ def _linear_fn(config: GemvConfig | None, out_dtype: torch.dtype | None = None):
     return lambda x, w: gemv(x, w, config, out_dtype=out_dtype)
 
 
-def small_m_candidates(rows: int) -> list[GemvConfig]:
-    """What tune_role tries for a small-M row bucket (before tune_role's own split and norm_after rules)."""
-    return list(SMALL_M_DOT) + [c for c, most in SMALL_M_BROADCAST if rows <= most]
+# Row-loop configs (block_n, num_warps): the batch-1 GEMV's narrow programs, each holding its whole K as one tile
+# (block_k = K rounded up to a power of two), at most 64 fp32 weight values a thread
+# (up to 16 rows, compiled for 8 and 16: each compile costs start-up time)
+SMALL_M_ROWLOOP = ((2, 4), (4, 4), (4, 8))
+
+
+def small_m_candidates(rows: int, k: int | None = None) -> list[GemvConfig]:
+    """What tune_role tries for a small-M row bucket of a [N, k] weight (before tune_role's own split and
+    norm_after rules); without k, no row-loop configs."""
+    out = list(SMALL_M_DOT) + [c for c, most in SMALL_M_BROADCAST if rows <= most]
+    if k is not None and rows <= 16:
+        tile = 1 << max(4, (k - 1).bit_length())
+        out += [GemvConfig(block_n=bn, block_k=tile, num_warps=nw, rowloop=True) for bn, nw in SMALL_M_ROWLOOP
+                if bn * tile <= 64 * 32 * nw]
+    return out
 
 
 def tune_role(role: str, weights: list[torch.Tensor], plain: GemvConfig | None,

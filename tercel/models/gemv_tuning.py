@@ -65,7 +65,7 @@ def _tune_small_m(model: torch.nn.Module) -> list[GemvChoice]:
         for group in by_shape.values():
             weights = [w for _, _, w, _ in group]
             for rows in ROW_BUCKETS:
-                choice = tune_role(role, weights, None, small_m_candidates(rows), rows=rows)
+                choice = tune_role(role, weights, None, small_m_candidates(rows, weights[0].shape[1]), rows=rows)
                 measured.append((group, choice))
     for group, choice in measured:  # all measured first: a failure part-way sets nothing
         for mod, attr, _, _ in group:

@@ -17,7 +17,8 @@ position). One replay:
   draft_extend  the root and the accepted path (rows past k write the dummy slot), whose last row is the next
                 state; the root and base move on in place
 The host reads the path's tokens ([B, N]: root, the k accepted drafts, then padding), k and the bonus, exactly
-what it reads from a chain step, so the chain loop (chain_loop.py) runs both.
+what it reads from a chain step, so the chain loop (chain_loop.py) runs both. On a GPU the layout and the
+acceptance are one Triton launch each (kernels/tree_accept.py) instead of ~50 torch ones.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch
 from ..forward_batch import CaptureHiddenMode, ForwardBatch
 from ..graphs.buffers import BufferSpec, Pad, Per
 from ..graphs.runner import StepKind
+from ..kernels import use_triton
 from ..kv import PagedKVCache
 from ..sampling import greedy_tokens, sample_rows, stream_keys
 from .chain import ChainOutputs, ChainSampling, sampling_buffers
@@ -67,6 +69,10 @@ def tree_layout(roots: torch.Tensor, tree_tokens: torch.Tensor, tree_parents: to
                 max_depth: int) -> TreeLayout:
     """roots [B]; tree_tokens, tree_parents [B, N - 1] (parents as node ids, 0 = the root); max_depth: the
     deepest a node can sit (the draft loop's steps)."""
+    if use_triton(tree_tokens) and tree_tokens.is_contiguous() and tree_parents.is_contiguous():
+        from ..kernels.tree_accept import tree_layout_rows
+
+        return TreeLayout(*tree_layout_rows(roots.contiguous(), tree_tokens, tree_parents, max_depth))
     n, m = tree_tokens.shape
     w = m + 1
     dev = roots.device
@@ -99,6 +105,11 @@ def tree_accept(targets: torch.Tensor, tree: TreeLayout, slots: torch.Tensor, ba
     """targets [B, N]: the target's token at each node; slots [N, B]: the KV slots of positions base + j
     (ChainPositions.slots). Updates roots and base in place (live rows: root = bonus, base += k + 1; padding
     rows: base = 0)."""
+    if use_triton(targets) and targets.is_contiguous():
+        from ..kernels.tree_accept import tree_accept_rows
+
+        return TreeAccepted(*tree_accept_rows(targets, tree.tokens, tree.parents, tree.depth, tree.masks, slots, base,
+                                              live.long(), roots))
     n, w = tree.tokens.shape
     dev = targets.device
     j = torch.arange(w, device=dev)
