@@ -686,10 +686,39 @@ def check_tree_accept(device: str, dtype: torch.dtype) -> None:
             assert int(want.accepted.max()) >= 2 and bool((want.src != 0).any()), (n, w)  # deep paths, KV moves
 
 
+def check_ddtree_beams(device: str, dtype: torch.dtype) -> None:
+    """DDTREE's beams kernel gives the torch path's beams and so its tree (random block marginals without ties):
+    budgets below, at and above K, beams that saturate at the budget, one depth, a batch of several requests."""
+    from tercel.kernels.ddtree_beams import ddtree_beams
+    from tercel.speculative import ddtree_chain as dc
+
+    g = torch.Generator(device="cpu").manual_seed(19)
+    for b, d, k, budget in [(3, 15, 4, 16), (2, 7, 4, 64), (4, 3, 2, 2), (1, 1, 4, 3), (2, 5, 3, 9), (2, 15, 4, 64)]:
+        lp, tk = torch.randn(b, d, 60, generator=g).mul(2).log_softmax(-1).topk(k, dim=-1)
+        saved = dc.use_triton
+        dc.use_triton = lambda *a: False  # the torch path, on the CPU copies
+        try:
+            want = dc.ddtree_nodes(lp, tk, budget)
+        finally:
+            dc.use_triton = saved
+        sizes = dc.beam_sizes(d, k, budget)
+        scores, parents, toks = ddtree_beams(lp.to(device), tk.to(device), budget, sizes)
+        assert scores.shape == (b, sum(sizes)), (b, d, k, budget)
+        kept, tree_parents = dc.select_tree_nodes_batched(scores, parents, budget)
+        assert torch.equal(toks.gather(1, kept).cpu(), want[0]), (b, d, k, budget)
+        assert torch.equal(tree_parents.cpu(), want[1]), (b, d, k, budget)
+        for i in range(b):  # each beam best first, after the previous one
+            off = 0
+            for w in sizes:
+                row = scores[i, off:off + w].cpu()
+                assert torch.equal(row, row.sort(descending=True).values), (b, d, k, budget, i)
+                off += w
+
+
 ALL = [check_race, check_argmax, check_norms, check_rope_store, check_decode, check_extend, check_gemv,
        check_gemv_fused, check_gemm_small, check_decode_rope, check_tree_draft_attention,
        check_dflash_paged_attention, check_chain_accept, check_stream_keys,
-       check_sample_filter, check_tree_accept]
+       check_sample_filter, check_tree_accept, check_ddtree_beams]
 
 
 def run_in_interpreter(check: str, timeout: int = 300) -> None:
