@@ -169,16 +169,18 @@ class EagleTreeDraftStep(_DraftStep):
         cand_parents = [torch.full((n, k), -1, dtype=torch.long, device=dev)]
         leaf_cand = torch.arange(k, device=dev).expand(n, k)
         leaf_hidden = b.hidden[:, None].expand(n, k, -1)
+        entries = torch.arange(cap, device=dev)  # scratch entry of every draft step's leaves: step s takes a slice
+        # every draft step's RoPE position at once: step s's leaves sit at base + s - 1
+        positions = (b.base[:, None] + torch.arange(steps, device=dev)).clamp(max=self.max_position)
         parent_entry = None
         n_cand = k
         for step in range(1, steps):
             e0 = (step - 1) * k
-            entries = torch.arange(e0, e0 + k, device=dev)
             if parent_entry is not None:
                 ancestors[:, e0:e0 + k] = ancestors[rows, parent_entry]
             ancestors[:, e0:e0 + k, e0:e0 + k].diagonal(dim1=1, dim2=2).fill_(True)  # slices: graph-safe writes
-            attn.entries, attn.mask = entries, ancestors[:, entries]
-            pos = (b.base + (step - 1)).clamp(max=self.max_position)[:, None].expand(n, k)
+            attn.entries, attn.mask = entries[e0:e0 + k], ancestors[:, e0:e0 + k]
+            pos = positions[:, step - 1, None].expand(n, k)
             h_out = model(leaf_tokens.reshape(-1), leaf_hidden.reshape(n * k, -1), pos.reshape(-1), attn,
                           from_target=False).view(n, k, -1)
             child_scores, child_ids = pick(model.compute_logits(h_out), step)  # [B, K, K]
@@ -188,8 +190,9 @@ class EagleTreeDraftStep(_DraftStep):
             cand_scores.append(cum)
             cand_parents.append(leaf_cand[:, :, None].expand(n, k, k).reshape(n, k * k))
             best = cum.topk(k, dim=-1).indices  # [B, K]: the next leaves
-            leaf_hidden = h_out[rows, best // k]
-            parent_entry = entries[best // k]
+            parent = best // k  # the leaf each came from
+            leaf_hidden = h_out[rows, parent]
+            parent_entry = e0 + parent
             leaf_tokens = tokens.gather(1, best)
             leaf_scores = cum.gather(1, best)
             leaf_cand = n_cand + best
