@@ -336,6 +336,34 @@ def test_chained_eagle_tree_steps_equal_plain(smol_llm, prompts, plain, overlap)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params[0])] == [plain[0]]
 
 
+@pytest.mark.parametrize("name", ["eagle3-tree", "ddtree"])
+def test_chained_tree_steps_survive_cancellations_in_flight(smol_llm, prompts, plain, name):
+    """Requests cancelled while a chained tree step is in flight (overlap schedule): the batch shrinks, the chain
+    restarts for the survivors from their own state, their output is plain's, and every KV block comes back."""
+    llm = spec_llm(smol_llm, **GRAPHS, cuda_graph_bs=[1, 2, 4], speculative_adaptive="off",
+                   disable_overlap_schedule=False, **ALGOS[name])
+    eng = llm.engine
+    # more tokens than a step's width: the chain goes on while a request may need another step
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    ids = [eng.add_request(prompts[i % len(prompts)], params) for i in range(4)]
+    done: dict[str, list[int]] = {}
+    aborted = False
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        inflight = eng.spec.chain.inflight
+        if not aborted and inflight is not None and len(inflight.reqs) == 4:  # a step of all four on the device
+            for rid in (ids[1], ids[3]):
+                eng.abort_request(rid)
+            aborted = True
+    assert aborted
+    want = [o.outputs[0].token_ids for o in smol_llm.generate([prompts[0], prompts[2]], params)]
+    assert [done[ids[0]], done[ids[2]]] == want
+    assert eng.stats().kv_blocks_used == 0
+    assert eng.spec.chain.runner.stats.replays > 0 and eng.spec.chain.runner.stats.eager == 0
+
+
 def test_the_dflash_block_step_replays_what_it_computes_eagerly(smol_llm, prompts):
     """DDTREE's captured block forward (the context padded to the block tables' capacity) gives the eager
     forward's logits (the batch's own context), for requests of different lengths and a padded bucket."""
