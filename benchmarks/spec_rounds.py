@@ -228,7 +228,8 @@ def main() -> None:
 
 
 def shape_bench(args, res: dict, write) -> None:
-    """Llama-3.1-8B shape, random weights, a random one-layer EAGLE-3 head (every draft rejected)."""
+    """Llama-3.1-8B shape, random weights, a random one-layer EAGLE-3 head (every draft rejected): a chain step and
+    a tree-16 step against a plain step (#30 item 5), and adaptive against plain (#31)."""
     import tempfile
 
     import torch
@@ -242,8 +243,9 @@ def shape_bench(args, res: dict, write) -> None:
     kw = dict(loaded=loaded, dtype=torch.bfloat16, device="cuda", progress=False, skip_tokenizer_init=True,
               kv_cache_memory=8 << 30, cuda_graph_bs=[1], max_model_len=2048)
     spec = dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1, speculative_draft_model_path=str(head))
+    tree = dict(spec, speculative_eagle_topk=4, speculative_num_draft_tokens=16, speculative_adaptive="off")
     llms = {"plain": LLM(**kw), "eagle3-chain": LLM(**kw, **spec, speculative_adaptive="off"),
-            "eagle3-chain-adaptive": LLM(**kw, **spec)}
+            "eagle3-chain-adaptive": LLM(**kw, **spec), "eagle3-tree16": LLM(**kw, **tree)}
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1000, 100000, (64,), generator=g).tolist() for _ in range(2)]
     from tercel import SamplingParams
