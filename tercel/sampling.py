@@ -185,6 +185,29 @@ def race_keys(probs: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None 
     return ids.gather(1, race(probs, noise.gather(1, ids))[:, None])[:, 0]
 
 
+def race_logits(logits: torch.Tensor, temperature: torch.Tensor, sampled: torch.Tensor, keys: torch.Tensor,
+                ids: torch.Tensor | None = None, id_vocab: int | None = None) -> torch.Tensor:
+    """A proposal per row of logits [N, V], no filters: sampled rows (sampled [N] != 0) the race of softmax(x / T)
+    against their key's noise, as argmax x / T - log E (no softmax); the others the argmax. ids [V]: column v is
+    token ids[v] of a vocabulary of id_vocab tokens (its noise, and the id returned). A speculative draft's pick:
+    the target's draws keep the output exact whatever the drafts are, so the drafts skip top-k / top-p / min-p
+    (a token they filter out is a rejected draft); on a GPU two launches instead of the sort, the filter and
+    the race (kernels/race.py)."""
+    if use_triton(logits) and logits.dim() == 2:
+        from .kernels.race import race_logits_rows
+
+        full = None if ids is None else ids.expand(logits.shape[0], -1)
+        return race_logits_rows(logits, keys.to(logits.device), temperature, sampled.to(torch.long), full)
+    x = logits.float()
+    noise = draw_noise(keys, id_vocab or x.shape[-1], x.device)
+    if ids is not None:
+        noise = noise.index_select(1, ids)
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))[:, None]
+    scores = torch.where(sampled.bool()[:, None], x / t - noise.log(), x)
+    won = greedy_tokens(scores)
+    return won if ids is None else ids[won]
+
+
 @dataclass(slots=True)
 class SamplingTensors:
     """Per-row temperature / top-k / top-p / min-p of a batch of sampled (T > 0) rows, on the device, so one

@@ -715,10 +715,38 @@ def check_ddtree_beams(device: str, dtype: torch.dtype) -> None:
                 off += w
 
 
+def check_race_logits(device: str, dtype: torch.dtype) -> None:
+    """The draft picks' race on logits (kernels/race.py race_logits_rows) gives sampling.race_logits' torch
+    path: sampled rows at several temperatures, greedy rows (the argmax), a padding row with T = 0, a vocabulary
+    map (the noise of the mapped ids, the mapped id returned), vocabularies off the slice width."""
+    from tercel import sampling
+    from tercel.kernels.race import race_logits_rows
+
+    g = torch.Generator(device="cpu").manual_seed(23)
+    for n, v, mapped in [(6, 5000, False), (5, 2048 * 3 + 7, True), (1, 49152, False)]:
+        logits = torch.randn(n, v, generator=g) * 3
+        t = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.0, 2.0][:n])
+        sampled = torch.tensor([1, 1, 1, 0, 0, 1][:n])
+        keys = torch.randint(0, 2 ** 62, (n,), generator=g)
+        ids = torch.randperm(3 * v, generator=g)[:v] if mapped else None
+        saved = sampling.use_triton
+        sampling.use_triton = lambda *a: False  # the torch path, on the CPU copies
+        try:
+            want = sampling.race_logits(logits, t, sampled, keys, ids, 3 * v if mapped else None)
+        finally:
+            sampling.use_triton = saved
+        full = None if ids is None else ids.expand(n, -1).to(device)
+        got = race_logits_rows(logits.to(device), keys.to(device), t.to(device), sampled.to(device), full)
+        assert torch.equal(got.cpu(), want), (n, v, mapped, got, want)
+        greedy = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
+        assert torch.equal(want[sampled == 0], greedy[sampled == 0]), (n, v)
+        assert not torch.equal(want[sampled == 1], greedy[sampled == 1]) or n == 1, (n, v)  # the noise counts
+
+
 ALL = [check_race, check_argmax, check_norms, check_rope_store, check_decode, check_extend, check_gemv,
        check_gemv_fused, check_gemm_small, check_decode_rope, check_tree_draft_attention,
        check_dflash_paged_attention, check_chain_accept, check_stream_keys,
-       check_sample_filter, check_tree_accept, check_ddtree_beams]
+       check_sample_filter, check_tree_accept, check_ddtree_beams, check_race_logits]
 
 
 def run_in_interpreter(check: str, timeout: int = 300) -> None:

@@ -89,6 +89,58 @@ def _race_slices_kernel(P, IDS, KEYS, PV, PI, stride_p, stride_ids, n_cols, num_
 
 
 @triton.jit
+def _race_logits_slices_kernel(X, IDS, KEYS, T, SAMPLED, PV, PI, stride_x, stride_ids, n_cols, num_slices, GOLDEN, M1,
+                               M2, HAS_IDS: tl.constexpr, BLOCK: tl.constexpr):
+    """The race on logits: argmax x / T - log E (the same winner as argmax softmax(x / T) / E, without the
+    softmax); a row with SAMPLED 0 takes the plain argmax."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    offs = s * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n_cols
+    x = tl.load(X + row * stride_x + offs, mask=inside, other=float("-inf")).to(tl.float32)
+    if tl.load(SAMPLED + row) != 0:
+        if HAS_IDS:
+            tok = tl.load(IDS + row * stride_ids + offs, mask=inside, other=0).to(tl.uint64)
+        else:
+            tok = offs.to(tl.uint64)
+        key = tl.load(KEYS + row).to(tl.uint64)
+        bits = _mix64(key + (tok + 1) * GOLDEN, M1, M2)
+        u = ((bits >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2 ** -53
+        e = (-tl.log(u)).to(tl.float32)
+        x = tl.math.div_rn(x, tl.load(T + row)) - tl.log(e)
+    x = tl.where(inside & (x == x), x, float("-inf"))
+    tl.store(PV + row * num_slices + s, tl.max(x, 0))
+    tl.store(PI + row * num_slices + s, tl.minimum(s * BLOCK + tl.argmax(x, 0, tie_break_left=True), n_cols - 1))
+
+
+def race_logits_rows(logits: torch.Tensor, keys: torch.Tensor, temperature: torch.Tensor, sampled: torch.Tensor,
+                     ids: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [N, V] (last dim contiguous), keys [N] int64, temperature [N] float32, sampled [N] (0: argmax)
+    -> int64 [N]: argmax_v logits / T - log draw_noise(keys)[v] for sampled rows (the noise of token ids[n, v]
+    when ids is given; the returned id too), argmax_v logits for the others."""
+    if logits.dim() != 2 or logits.stride(-1) != 1:
+        raise ValueError(f"race_logits_rows needs a [N, V] tensor with a contiguous last dim, got "
+                         f"{tuple(logits.shape)}.")
+    n, v = logits.shape
+    out = torch.empty(n, dtype=torch.long, device=logits.device)
+    if n == 0:
+        return out
+    slices = triton.cdiv(v, BLOCK)
+    pv = torch.empty((n, slices), dtype=torch.float32, device=logits.device)
+    pi = torch.empty((n, slices), dtype=torch.int32, device=logits.device)
+    keys = keys.to(torch.int64).contiguous()
+    has_ids = ids is not None
+    ids_t = ids if has_ids else keys
+    stride_ids = ids.stride(0) if has_ids else 0
+    _race_logits_slices_kernel[(n, slices)](logits, ids_t, keys, temperature.float().contiguous(),
+                                            sampled.contiguous(), pv, pi, logits.stride(0), stride_ids, v, slices,
+                                            _GOLDEN, _MIX1, _MIX2, HAS_IDS=has_ids, BLOCK=BLOCK, num_warps=8)
+    _race_pick_kernel[(n,)](pv, pi, ids_t, out, stride_ids, slices, HAS_IDS=has_ids,
+                            SLICES_PAD=max(2, triton.next_power_of_2(slices)), num_warps=1)
+    return out
+
+
+@triton.jit
 def _race_pick_kernel(PV, PI, IDS, OUT, stride_ids, num_slices, HAS_IDS: tl.constexpr, SLICES_PAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, SLICES_PAD)

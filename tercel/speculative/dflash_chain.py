@@ -25,7 +25,7 @@ from ..graphs.buffers import BufferSpec, Pad, Per
 from ..graphs.runner import StepKind
 from ..kv import PagedKVCache
 from ..models.dflash import DFlashDraftModel
-from ..sampling import greedy_tokens, sample_rows, stream_keys
+from ..sampling import greedy_tokens, race_logits, sample_rows, stream_keys
 from .chain import ChainSampling, sampling_buffers
 from .chain_accept import chain_accept
 
@@ -120,12 +120,13 @@ class DFlashChainStep(StepKind):
         pos = s.base[:, None] + j  # [B, S]
         logits = self._draft_block(s)  # [B, S - 1, V]
         flat = logits.reshape(n * (w - 1), -1)
-        drafts = greedy_tokens(flat).view(n, w - 1)
         sp = s.sampling
-        if sp is not None:  # block position j + 1 draws with output draw draws + j (the target's draw there)
+        if sp is None:
+            drafts = greedy_tokens(flat).view(n, w - 1)
+        else:  # block position j + 1 races with output draw draws + j (the target's draw there), no filters
             keys = stream_keys(sp.seeds[:, None], sp.draws[:, None] + j[None, :-1]).reshape(-1)
-            drawn = sample_rows(flat, sp.settings(flat.shape[-1], w - 1), keys).view(n, w - 1)
-            drafts = torch.where(sp.sampled.bool()[:, None], drawn, drafts)
+            drafts = race_logits(flat, sp.temperature.repeat_interleave(w - 1), sp.sampled.repeat_interleave(w - 1),
+                                 keys).view(n, w - 1)
         tokens = torch.cat([s.roots[:, None], drafts], dim=1)
         # verify: S rows per request at base .. base + S - 1, every row's logits and the draft's target layers
         rows = torch.arange(n, device=dev)[:, None]
