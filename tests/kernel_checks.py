@@ -626,7 +626,7 @@ def check_tree_accept(device: str, dtype: torch.dtype) -> None:
     from tercel.speculative import tree_chain as tc
 
     g = torch.Generator(device="cpu").manual_seed(17)
-    for n, w, max_depth in [(1, 2, 5), (5, 6, 5), (3, 16, 5), (4, 17, 15), (2, 64, 15), (6, 9, 3)]:
+    for n, w, max_depth in [(1, 2, 5), (5, 6, 5), (3, 16, 5), (4, 17, 15), (2, 64, 15), (6, 9, 3), (2, 65, 15)]:
         parents = torch.zeros(n, w - 1, dtype=torch.long)
         depth_of = torch.zeros(n, w, dtype=torch.long)
         for b in range(n):

@@ -17,7 +17,7 @@ import triton.language as tl
 
 @triton.jit
 def _ddtree_beams_kernel(LP, TK, SCORES, PARENTS, TOKENS, D: tl.constexpr, K: tl.constexpr, BUDGET: tl.constexpr,
-                         C: tl.constexpr, W1: tl.constexpr, KP: tl.constexpr, F: tl.constexpr):
+                         C: tl.constexpr, W1: tl.constexpr, KP: tl.constexpr, F: tl.constexpr, FJ: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     lp_row = LP + b * D * K
     tk_row = TK + b * D * K
@@ -37,9 +37,17 @@ def _ddtree_beams_kernel(LP, TK, SCORES, PARENTS, TOKENS, D: tl.constexpr, K: tl
         valid = (p < width) & (k < K)
         s = tl.load(SCORES + out + offset + p, mask=valid, other=0.0) + \
             tl.load(lp_row + depth * K + k, mask=valid, other=0.0)
-        beats = ((s[None, :] > s[:, None]) | ((s[None, :] == s[:, None]) & (f[None, :] < f[:, None]))) \
-            & valid[None, :]
-        rank = tl.sum(beats.to(tl.int32), 1)
+        rank = tl.zeros([F], tl.int32)
+        for j0 in tl.static_range(0, F, FJ):  # the comparisons FJ columns at a time: a small register tile
+            fj = j0 + tl.arange(0, FJ)
+            pj = fj // KP
+            kj = fj % KP
+            vj = (pj < width) & (kj < K)
+            sj = tl.load(SCORES + out + offset + pj, mask=vj, other=0.0) + \
+                tl.load(lp_row + depth * K + kj, mask=vj, other=0.0)
+            beats = ((sj[None, :] > s[:, None]) | ((sj[None, :] == s[:, None]) & (fj[None, :] < f[:, None]))) \
+                & vj[None, :]
+            rank += tl.sum(beats.to(tl.int32), 1)
         new_width = tl.minimum(width * K, BUDGET)
         keep = valid & (rank < new_width)
         at = out + offset + width + rank
@@ -63,5 +71,5 @@ def ddtree_beams(logprobs: torch.Tensor, tokens: torch.Tensor, budget: int,
         kp = max(2, triton.next_power_of_2(k))
         f = max(2, triton.next_power_of_2(max(sizes[:-1], default=1))) * kp
         _ddtree_beams_kernel[(b,)](logprobs, tokens, scores, parents, toks, D=d, K=k, BUDGET=budget, C=c,
-                                   W1=sizes[0], KP=kp, F=f, num_warps=4 if f <= 64 else 8)
+                                   W1=sizes[0], KP=kp, F=f, FJ=min(f, 64), num_warps=4 if f <= 64 else 8)
     return scores, parents, toks

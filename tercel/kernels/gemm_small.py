@@ -7,8 +7,9 @@ power of two), so the weight traffic is that of batch-1 decode. Two inner produc
   dot=True   tl.dot on the tensor cores, M padded to at least 16 (the fp32 model dtype uses the exact
              "ieee" precision, so fp32 stays fp32 arithmetic)
   rowloop    the batch-1 GEMV's own pattern, row after row: each program holds its BLOCK_N x K weight tile (one
-             chunk: K <= BLOCK_K, read before the PDL wait) and reduces it against each row of x in turn, so
-             no 3D product tile and no layout change (the rows' loads are independent and issue together)
+             chunk: K <= BLOCK_K, read before the PDL wait) and reduces it against each row of x in turn: no 3D
+             product tile, and every row and result stays in the tile's 2D layout (no trip through shared
+             memory per row); the rows' loads are independent and issue together
 Every fusion of tercel.kernels.gemv comes along, per row and with the same rounding: the RMSNorm
 prologue (the normalised value rounded to the model dtype, times the weight, rounded again; or
 norm_after: no pre-pass over x, the rms applied to the fp32 product), the SwiGLU prologue, the residual
@@ -124,23 +125,31 @@ def _gemm_small_kernel(X, W, Y, R, NW, M, K, K_PER_SPLIT, stride_x, stride_w, N,
 def _gemm_rows_kernel(X, W, Y, R, NW, M, K, stride_x, stride_w, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, NORM: tl.constexpr, NORM_AFTER: tl.constexpr, SILU: tl.constexpr,
                       ADD: tl.constexpr, PDL: tl.constexpr):
+    # every tensor is 2D in the weight tile's layout ([1, BLOCK_K] rows of x, [BLOCK_N, 1] results gathered into
+    # one [BLOCK_N, BLOCK_M] tile stored at the end), so no row of x nor any result changes layout per row (each
+    # change is a trip through shared memory and a barrier)
     pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns: weight rows
+    rows = (pid * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]  # output columns: weight rows
     rm = rows < N
-    cols = tl.arange(0, BLOCK_K)
+    cols = tl.arange(0, BLOCK_K)[None, :]
     km = cols < K
     # the whole tile, before the wait: weights never depend on the previous kernel
-    w = tl.load(W + rows.to(tl.int64)[:, None] * stride_w + cols[None, :], mask=rm[:, None] & km[None, :],
-                other=0.0).to(tl.float32)
+    w = tl.load(W + rows.to(tl.int64) * stride_w + cols, mask=rm & km, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
     if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
-    nw = tl.zeros([BLOCK_K], tl.float32)
+    nw = tl.zeros([1, BLOCK_K], tl.float32)
     if NORM:
         nw = tl.load(NW + cols, mask=km, other=0.0).to(tl.float32)
     if PDL >= 2:  # the weights are all read: the next kernel may take the SMs this one leaves
         tl.extra.cuda.gdc_launch_dependents()
+    ms = tl.arange(0, BLOCK_M)[None, :]
+    out_mask = rm & (ms < M)
+    out = Y + ms * N + rows  # [BLOCK_N, BLOCK_M]: every row's results, stored once at the end
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    if ADD:
+        res = tl.load(R + ms * N + rows, mask=out_mask, other=0.0).to(tl.float32)
     for m in tl.static_range(BLOCK_M):  # masked, not branched: the rows' loads are independent
         xm = km & (cols * 0 + m < M)  # as tensors: M is a runtime value
         xp = X + m * stride_x + cols
@@ -153,19 +162,18 @@ def _gemm_rows_kernel(X, W, Y, R, NW, M, K, stride_x, stride_w, N, eps, BLOCK_M:
         elif NORM_AFTER:  # x * w exact in fp32; 1/rms after the product
             x = raw * nw
         elif NORM:  # as fused.rms_norm: normalised value rounded, times the weight, rounded
-            rstd = tl.rsqrt(tl.sum(raw * raw, 0) / K + eps)
+            rstd = tl.rsqrt(tl.sum(tl.sum(raw * raw, 1), 0) / K + eps)
             x = ((raw * rstd).to(xv.dtype).to(tl.float32) * nw).to(xv.dtype).to(tl.float32)
         else:
             x = raw
-        y = tl.sum(w * x[None, :], 1)
+        y = tl.sum(w * x, 1, keep_dims=True)  # [BLOCK_N, 1]
         if NORM_AFTER:
-            y = y * tl.rsqrt(tl.sum(raw * raw, 0) / K + eps)
-        y = y.to(X.dtype.element_ty).to(tl.float32)  # rounded as an op in x's dtype (also for fp32 logits)
-        ym = rm & (rows * 0 + m < M)
-        if ADD:
-            r = tl.load(R + m * N + rows, mask=ym, other=0.0)
-            y = (y + r.to(tl.float32)).to(X.dtype.element_ty).to(tl.float32)
-        tl.store(Y + m * N + rows, y.to(Y.dtype.element_ty), mask=ym)
+            y = y * tl.rsqrt(tl.sum(tl.sum(raw * raw, 1), 0) / K + eps)
+        acc = tl.where(ms == m, y, acc)
+    y = acc.to(X.dtype.element_ty).to(tl.float32)  # rounded as an op in x's dtype (also for fp32 logits)
+    if ADD:
+        y = (y + res).to(X.dtype.element_ty).to(tl.float32)
+    tl.store(out, y.to(Y.dtype.element_ty), mask=out_mask)
 
 
 def check_config(config, m: int, k: int, silu: bool, norm: bool) -> None:

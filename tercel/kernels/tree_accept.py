@@ -18,6 +18,11 @@ import triton
 import triton.language as tl
 
 
+def _warps(nodes: int) -> int:
+    """Warps for a program's [N, N] tiles (the masks): about 64 values a thread."""
+    return 1 if nodes <= 16 else 4 if nodes <= 64 else 8
+
+
 @triton.jit
 def _tree_layout_kernel(ROOTS, TREE_TOKENS, TREE_PARENTS, TOKENS, PARENTS, DEPTH, MASKS, max_depth,
                         N: tl.constexpr, NP: tl.constexpr):
@@ -54,7 +59,7 @@ def tree_layout_rows(roots: torch.Tensor, tree_tokens: torch.Tensor, tree_parent
     masks = torch.empty(n, w, w, dtype=torch.bool, device=dev)
     if n:
         _tree_layout_kernel[(n,)](roots, tree_tokens, tree_parents, tokens, parents, depth, masks, max_depth, N=w,
-                                  NP=max(2, triton.next_power_of_2(w)), num_warps=4 if w > 16 else 1)
+                                  NP=max(2, triton.next_power_of_2(w)), num_warps=_warps(w))
     return tokens, parents, depth, masks
 
 
@@ -118,6 +123,5 @@ def tree_accept_rows(targets: torch.Tensor, tokens: torch.Tensor, parents: torch
     if n:
         _tree_accept_kernel[(n,)](targets, tokens, parents, depth, masks, slots, slots.stride(0), slots.stride(1),
                                   base, live, roots, path_tokens, k, bonus, src, dst, ext_ids, ext_rows, ext_slots,
-                                  ext_seq, N=w, NP=max(2, triton.next_power_of_2(w)),
-                                  num_warps=4 if w > 16 else 1)
+                                  ext_seq, N=w, NP=max(2, triton.next_power_of_2(w)), num_warps=_warps(w))
     return path_tokens, k, bonus, src, dst, ext_ids, ext_rows, ext_slots, ext_seq
