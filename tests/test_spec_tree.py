@@ -51,8 +51,8 @@ def _paths(tokens: list[int], parents: list[int]) -> set[tuple[int, ...]]:
 def test_the_device_ddtree_takes_the_hosts_nodes(depth, k, budget):
     """ddtree_chain.ddtree_nodes (a beam per depth, the budget best of all beams) builds build_ddtree's tree:
     the same nodes (as token paths), parents before children, for random block marginals without ties."""
-    from tercel.speculative.dflash import build_ddtree
     from tercel.speculative.ddtree_chain import ddtree_nodes
+    from tercel.speculative.dflash import build_ddtree
 
     g = torch.Generator().manual_seed(depth * 1000 + k * 10 + budget)
     b, vocab = 8, 50

@@ -1,8 +1,8 @@
 """Kernels that fold a speculative step's bookkeeping into single launches equal the torch code they replace, in
 Triton's CPU interpreter here and natively on a GPU by tests/test_gpu_graphs.py (kernel_checks.ALL): the chained
 step's acceptance and next state (kernels/chain_accept.py), the chained tree step's layout and acceptance
-(kernels/tree_accept.py) and DDTREE's beams (kernels/ddtree_beams.py), the sampler's stream keys and the draft picks' race on logits (kernels/race.py) and its filters
-(kernels/sample_filter.py)."""
+(kernels/tree_accept.py) and DDTREE's beams (kernels/ddtree_beams.py), the sampler's stream keys and the draft
+picks' race on logits (kernels/race.py) and its filters (kernels/sample_filter.py)."""
 from __future__ import annotations
 
 import importlib.util
