@@ -208,14 +208,18 @@ def test_eagle_chain_runs_into_max_model_len(smol_llm, prompts, plain, graphs):
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-def test_chained_dflash_steps_equal_plain(smol_llm, prompts, plain, overlap):
-    """Greedy DFLASH as one chained step (block forward over the context cache, verify, accept, context
-    injection; the state carried in the graph's buffers), the host one step behind under the overlap
-    schedule: plain's tokens at different stopping lengths, no KV block left, and a new batch restarts it."""
+@pytest.mark.parametrize("name", ["dflash", "ddtree"])
+def test_chained_dflash_steps_equal_plain(smol_llm, prompts, plain, name, overlap):
+    """Greedy DFLASH / DDTREE as one chained step (block forward over the context cache; DDTREE's tree built from
+    the block's marginals, ddtree_chain.ddtree_nodes; verify, accept, the accepted path's KV compaction, context
+    injection; the state carried in the graph's buffers), the host one step behind under the overlap schedule:
+    plain's tokens at different stopping lengths, no KV block left, and a new batch restarts it."""
+    from tercel.speculative.ddtree_chain import DDTreeChainStep
+
     llm = spec_llm(smol_llm, **GRAPHS, cuda_graph_max_bs=4, disable_overlap_schedule=not overlap,
-                   speculative_adaptive="off", **ALGOS["dflash"])
+                   speculative_adaptive="off", **ALGOS[name])
     chain = llm.engine.spec.chain
-    assert chain is not None
+    assert chain is not None and isinstance(chain.runner.step, DDTreeChainStep) == (name == "ddtree")
     lengths = [16, 5, 11]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -226,11 +230,12 @@ def test_chained_dflash_steps_equal_plain(smol_llm, prompts, plain, overlap):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params[0])] == [plain[0]]
 
 
-def test_chained_sampled_dflash_steps_give_the_plain_tokens(smol_llm, prompts):
-    """Sampled DFLASH blocks run as the sampled chained step: each draft and target token drawn in the graph
-    with the request's noise for that output token (a greedy request beside them by argmax), so seeded
-    requests get plain sampling's tokens."""
-    llm = spec_llm(smol_llm, **GRAPHS, cuda_graph_max_bs=4, speculative_adaptive="off", **ALGOS["dflash"])
+@pytest.mark.parametrize("name", ["dflash", "ddtree"])
+def test_chained_sampled_dflash_steps_give_the_plain_tokens(smol_llm, prompts, name):
+    """Sampled DFLASH blocks / DDTREE trees run as the sampled chained step: every target token drawn in the graph
+    with the request's noise for its output position (a greedy request beside them by argmax; DFLASH's drafts
+    race the same noise), so seeded requests get plain sampling's tokens."""
+    llm = spec_llm(smol_llm, **GRAPHS, cuda_graph_max_bs=4, speculative_adaptive="off", **ALGOS[name])
     chain = llm.engine.spec.chain
     assert chain is not None and chain.sampled is not None
     params = [SamplingParams(max_tokens=14, seed=5, temperature=1.0, top_p=0.9, ignore_eos=True),
@@ -259,44 +264,6 @@ def test_chained_eagle_steps_equal_plain(smol_llm, prompts, plain, overlap):
     assert llm.engine.stats().kv_blocks_used == 0
     # a batch of one after the batch of three: the chain restarts from the request's own draft state
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params[0])] == [plain[0]]
-
-
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-def test_chained_ddtree_steps_equal_plain(smol_llm, prompts, plain, overlap):
-    """DDTREE as one chained step: the block forward, the tree from its marginals (ddtree_chain.ddtree_nodes),
-    verify, acceptance, the accepted path's KV compaction and the context injection on the device; plain's
-    tokens at different stopping lengths with the host one step behind (overlap) or not, no KV block left, and a
-    later batch restarts it from each request's context."""
-    from tercel.speculative.ddtree_chain import DDTreeChainStep
-
-    llm = spec_llm(smol_llm, **GRAPHS, cuda_graph_max_bs=4, disable_overlap_schedule=not overlap,
-                   speculative_adaptive="off", **ALGOS["ddtree"])
-    chain = llm.engine.spec.chain
-    assert chain is not None and isinstance(chain.runner.step, DDTreeChainStep)
-    lengths = [16, 5, 11]
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
-    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert outs == [p[:n] for p, n in zip(plain, lengths)]
-    assert chain.runner.stats.replays > 0 and chain.runner.stats.eager == 0 and chain.inflight is None
-    assert llm.engine.spec_stats().accepted_tokens > 0
-    assert llm.engine.stats().kv_blocks_used == 0
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params[0])] == [plain[0]]
-
-
-def test_chained_sampled_ddtree_steps_give_the_plain_tokens(smol_llm, prompts):
-    """Sampled DDTREE requests run the sampled tree step: every node's target token drawn in the graph with the
-    request's noise for its output position (a greedy request beside them by argmax): plain sampling's
-    tokens."""
-    llm = spec_llm(smol_llm, **GRAPHS, cuda_graph_max_bs=4, speculative_adaptive="off", **ALGOS["ddtree"])
-    chain = llm.engine.spec.chain
-    assert chain is not None and chain.sampled is not None
-    params = [SamplingParams(max_tokens=14, seed=5, temperature=1.0, top_p=0.9, ignore_eos=True),
-              SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=12, seed=9, temperature=0.7, top_k=20, ignore_eos=True)]
-    want = [o.outputs[0].token_ids for o in smol_llm.generate(prompts, params)]
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
-    assert chain.sampled.stats.replays > 0 and chain.sampled.stats.eager == 0
-    assert llm.engine.stats().kv_blocks_used == 0
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])

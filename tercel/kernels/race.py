@@ -118,26 +118,13 @@ def race_logits_rows(logits: torch.Tensor, keys: torch.Tensor, temperature: torc
     """logits [N, V] (last dim contiguous), keys [N] int64, temperature [N] float32, sampled [N] (0: argmax)
     -> int64 [N]: argmax_v logits / T - log draw_noise(keys)[v] for sampled rows (the noise of token ids[n, v]
     when ids is given; the returned id too), argmax_v logits for the others."""
-    if logits.dim() != 2 or logits.stride(-1) != 1:
-        raise ValueError(f"race_logits_rows needs a [N, V] tensor with a contiguous last dim, got "
-                         f"{tuple(logits.shape)}.")
-    n, v = logits.shape
-    out = torch.empty(n, dtype=torch.long, device=logits.device)
-    if n == 0:
-        return out
-    slices = triton.cdiv(v, BLOCK)
-    pv = torch.empty((n, slices), dtype=torch.float32, device=logits.device)
-    pi = torch.empty((n, slices), dtype=torch.int32, device=logits.device)
-    keys = keys.to(torch.int64).contiguous()
-    has_ids = ids is not None
-    ids_t = ids if has_ids else keys
-    stride_ids = ids.stride(0) if has_ids else 0
-    _race_logits_slices_kernel[(n, slices)](logits, ids_t, keys, temperature.float().contiguous(),
-                                            sampled.contiguous(), pv, pi, logits.stride(0), stride_ids, v, slices,
-                                            _GOLDEN, _MIX1, _MIX2, HAS_IDS=has_ids, BLOCK=BLOCK, num_warps=8)
-    _race_pick_kernel[(n,)](pv, pi, ids_t, out, stride_ids, slices, HAS_IDS=has_ids,
-                            SLICES_PAD=max(2, triton.next_power_of_2(slices)), num_warps=1)
-    return out
+    t, flag = temperature.float().contiguous(), sampled.contiguous()
+
+    def slices(grid, ids_t, keys_, pv, pi, stride_ids, v, num_slices, has_ids):
+        _race_logits_slices_kernel[grid](logits, ids_t, keys_, t, flag, pv, pi, logits.stride(0), stride_ids, v,
+                                         num_slices, _GOLDEN, _MIX1, _MIX2, HAS_IDS=has_ids, BLOCK=BLOCK, num_warps=8)
+
+    return _race_two_pass("race_logits_rows", logits, keys, ids, slices)
 
 
 @triton.jit
@@ -155,21 +142,29 @@ def _race_pick_kernel(PV, PI, IDS, OUT, stride_ids, num_slices, HAS_IDS: tl.cons
 def race_rows(probs: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
     """probs [N, V] (any float dtype, last dim contiguous), keys [N] int64 stream keys, ids [N, V] int64 or None
     -> int64 [N]: argmax_v probs / draw_noise(keys)[v] (the noise of token ids[n, v] when ids is given)."""
-    if probs.dim() != 2 or probs.stride(-1) != 1:
-        raise ValueError(f"race_rows needs a [N, V] tensor with a contiguous last dim, got {tuple(probs.shape)}.")
-    n, v = probs.shape
-    out = torch.empty(n, dtype=torch.long, device=probs.device)
+    def slices(grid, ids_t, keys_, pv, pi, stride_ids, v, num_slices, has_ids):
+        _race_slices_kernel[grid](probs, ids_t, keys_, pv, pi, probs.stride(0), stride_ids, v, num_slices,
+                                  _GOLDEN, _MIX1, _MIX2, HAS_IDS=has_ids, BLOCK=BLOCK, num_warps=8)
+
+    return _race_two_pass("race_rows", probs, keys, ids, slices)
+
+
+def _race_two_pass(name: str, x: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None, slices) -> torch.Tensor:
+    """Each (row, slice)'s best by `slices` (a launch over grid (N, slices)), then each row's winning slice."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"{name} needs a [N, V] tensor with a contiguous last dim, got {tuple(x.shape)}.")
+    n, v = x.shape
+    out = torch.empty(n, dtype=torch.long, device=x.device)
     if n == 0:
         return out
-    slices = triton.cdiv(v, BLOCK)
-    pv = torch.empty((n, slices), dtype=torch.float32, device=probs.device)
-    pi = torch.empty((n, slices), dtype=torch.int32, device=probs.device)
+    num_slices = triton.cdiv(v, BLOCK)
+    pv = torch.empty((n, num_slices), dtype=torch.float32, device=x.device)
+    pi = torch.empty((n, num_slices), dtype=torch.int32, device=x.device)
     keys = keys.to(torch.int64).contiguous()
     has_ids = ids is not None
     ids_t = ids if has_ids else keys
     stride_ids = ids.stride(0) if has_ids else 0
-    _race_slices_kernel[(n, slices)](probs, ids_t, keys, pv, pi, probs.stride(0), stride_ids, v, slices,
-                                     _GOLDEN, _MIX1, _MIX2, HAS_IDS=has_ids, BLOCK=BLOCK, num_warps=8)
-    _race_pick_kernel[(n,)](pv, pi, ids_t, out, stride_ids, slices, HAS_IDS=has_ids,
-                            SLICES_PAD=max(2, triton.next_power_of_2(slices)), num_warps=1)
+    slices((n, num_slices), ids_t, keys, pv, pi, stride_ids, v, num_slices, has_ids)
+    _race_pick_kernel[(n,)](pv, pi, ids_t, out, stride_ids, num_slices, HAS_IDS=has_ids,
+                            SLICES_PAD=max(2, triton.next_power_of_2(num_slices)), num_warps=1)
     return out

@@ -61,6 +61,10 @@ class ChainSampling:
 
     FIELDS = ("seeds", "draws", "sampled", "temperature", "top_k", "top_p", "min_p")
 
+    def advance(self, live: torch.Tensor, accepted: torch.Tensor) -> None:
+        """After a step: a live sampled request's draw count moves past its k accepted drafts and the bonus."""
+        self.draws.copy_(torch.where(live.bool() & self.sampled.bool(), self.draws + accepted + 1, self.draws))
+
     def settings(self, vocab: int, repeat: int = 1) -> SamplingTensors:
         """Every filter on (off values filter nothing): one captured graph serves every mix of settings. vocab:
         the logits' width (top-k is kept within it: a draft's vocabulary is smaller than the target's)."""
@@ -71,6 +75,19 @@ class ChainSampling:
         temperature = torch.where(self.temperature > 0, self.temperature, torch.ones_like(self.temperature))
         return SamplingTensors(rep(temperature), rep(self.top_k.clamp(1, vocab)), rep(self.top_p),
                                rep(self.min_p), True, True, True)
+
+
+def verify_targets(logits: torch.Tensor, sp: "ChainSampling | None", ahead: torch.Tensor) -> torch.Tensor:
+    """The target's token at each of a chained step's verify rows [B, W] (logits [B * W, V]): the argmax, and for
+    sampled requests the plain sampler's draw of output token draws + ahead (ahead [W] for a chain's row j, or
+    [B, W]: a tree node's depth)."""
+    n, w = ahead.shape if ahead.dim() == 2 else (logits.shape[0] // ahead.shape[0], ahead.shape[0])
+    targets = greedy_tokens(logits).view(n, w)
+    if sp is None:
+        return targets
+    keys = stream_keys(sp.seeds[:, None], sp.draws[:, None] + ahead).reshape(-1)
+    drawn = sample_rows(logits, sp.settings(logits.shape[-1], w), keys).view(n, w)
+    return torch.where(sp.sampled.bool()[:, None], drawn, targets)
 
 
 def sampling_buffers() -> list[BufferSpec]:
@@ -183,11 +200,7 @@ class EagleChainStep(StepKind):
         meta = self.target.attn_backend.capture_metadata(fb, bs, w)
         out = self.target(fb, self.kv, attn_meta=meta)
         # accept: the longest prefix of drafts the target agrees with, then its own next token
-        targets = greedy_tokens(out.logits).view(n, w)
-        if sp is not None:  # row j: the plain sampler's draw of output token draws + j
-            keys = stream_keys(sp.seeds[:, None], sp.draws[:, None] + torch.arange(w, device=dev))
-            drawn = sample_rows(out.logits, sp.settings(out.logits.shape[-1], w), keys.reshape(-1)).view(n, w)
-            targets = torch.where(sp.sampled.bool()[:, None], drawn, targets)
+        targets = verify_targets(out.logits, sp, torch.arange(w, device=dev))  # sampled row j: draw draws + j
         # k, the bonus, draft_extend's rows (the root and the k accepted drafts; the rest write the dummy slot)
         # and the next step's root and base, written in place (padding rows keep base 0)
         acc = chain_accept(targets, tokens, at.slots, s.base, s.live, s.roots)
@@ -196,7 +209,7 @@ class EagleChainStep(StepKind):
                                graph=True)
         first = ext.first
         if sp is not None:  # the next step's first draft draws with the next output token's noise
-            sp.draws.copy_(torch.where(s.live.bool() & sp.sampled.bool(), sp.draws + acc.accepted + 1, sp.draws))
+            sp.advance(s.live, acc.accepted)
             first = self._draft_pick(sp, sp.draws)(ext.logits)
         s.first.copy_(first)
         s.hidden.copy_(ext.hidden)

@@ -17,7 +17,7 @@ import torch
 
 from ..forward_batch import CaptureHiddenMode, ForwardBatch
 from ..kernels import use_triton
-from ..sampling import greedy_tokens, sample_rows, stream_keys
+from .chain import verify_targets
 from .dflash_chain import DFlashChainBatch, DFlashChainOutputs, DFlashChainStep
 from .tree import select_tree_nodes_batched
 from .tree_chain import tree_accept, tree_layout
@@ -91,16 +91,12 @@ class DDTreeChainStep(DFlashChainStep):
                           logits_indices=torch.arange(n * w, device=dev), query_lens=[w] * n, seq_lens_cpu=[w] * n,
                           custom_masks=list(tree.masks.unbind(0)), capture_hidden_mode=CaptureHiddenMode.FULL)
         out = self.target(fb, self.kv, attn_meta=self.target.attn_backend.capture_metadata(fb, bs, w))
-        targets = greedy_tokens(out.logits).view(n, w)
-        if sp is not None:  # node j: the plain sampler's draw of output token draws + depth[j]
-            keys = stream_keys(sp.seeds[:, None], sp.draws[:, None] + tree.depth).reshape(-1)
-            drawn = sample_rows(out.logits, sp.settings(out.logits.shape[-1], w), keys).view(n, w)
-            targets = torch.where(sp.sampled.bool()[:, None], drawn, targets)
+        targets = verify_targets(out.logits, sp, tree.depth)  # sampled node j: the draw of draws + depth[j]
         positions = (s.base[:, None] + j).reshape(-1)  # before tree_accept moves base on
         acc = tree_accept(targets, tree, slots.t(), s.base, s.live, s.roots)
         self.kv.copy_slots(acc.src, acc.dst)  # the accepted path's target KV to base + 1 .. base + k
         # the context grows by the root and the accepted path (the other rows write the dummy slot 0)
         self.draft.inject_context(out.hidden_states[acc.ext_rows], positions, acc.ext_slots, self.cache)
         if sp is not None:
-            sp.draws.copy_(torch.where(s.live.bool() & sp.sampled.bool(), sp.draws + acc.accepted + 1, sp.draws))
+            sp.advance(s.live, acc.accepted)
         return DFlashChainOutputs(acc.path_tokens, acc.accepted, acc.bonus)

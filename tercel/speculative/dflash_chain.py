@@ -25,8 +25,8 @@ from ..graphs.buffers import BufferSpec, Pad, Per
 from ..graphs.runner import StepKind
 from ..kv import PagedKVCache
 from ..models.dflash import DFlashDraftModel
-from ..sampling import greedy_tokens, race_logits, sample_rows, stream_keys
-from .chain import ChainSampling, sampling_buffers
+from ..sampling import greedy_tokens, race_logits, stream_keys
+from .chain import ChainSampling, sampling_buffers, verify_targets
 from .chain_accept import chain_accept
 
 
@@ -136,15 +136,11 @@ class DFlashChainStep(StepKind):
                           logits_indices=torch.arange(n * w, device=dev), query_lens=[w] * n, seq_lens_cpu=[w] * n,
                           capture_hidden_mode=CaptureHiddenMode.FULL)
         out = self.target(fb, self.kv, attn_meta=self.target.attn_backend.capture_metadata(fb, bs, w))
-        targets = greedy_tokens(out.logits).view(n, w)
-        if sp is not None:  # row j: the plain sampler's draw of output token draws + j
-            keys = stream_keys(sp.seeds[:, None], sp.draws[:, None] + j).reshape(-1)
-            drawn = sample_rows(out.logits, sp.settings(out.logits.shape[-1], w), keys).view(n, w)
-            targets = torch.where(sp.sampled.bool()[:, None], drawn, targets)
+        targets = verify_targets(out.logits, sp, j)  # sampled row j: the plain sampler's draw draws + j
         # k, the bonus, and the next step's root and base in place (padding rows keep base 0)
         acc = chain_accept(targets, tokens, slots.t(), s.base, s.live, s.roots)
         # the context grows by the root and the accepted drafts (the other rows write the dummy slot 0)
         self.draft.inject_context(out.hidden_states, pos.reshape(-1), acc.ext_slots, self.cache)
         if sp is not None:
-            sp.draws.copy_(torch.where(s.live.bool() & sp.sampled.bool(), sp.draws + acc.accepted + 1, sp.draws))
+            sp.advance(s.live, acc.accepted)
         return DFlashChainOutputs(tokens, acc.accepted, acc.bonus)

@@ -32,8 +32,7 @@ from ..graphs.buffers import BufferSpec, Pad, Per
 from ..graphs.runner import StepKind
 from ..kernels import use_triton
 from ..kv import PagedKVCache
-from ..sampling import greedy_tokens, sample_rows, stream_keys
-from .chain import ChainOutputs, ChainSampling, sampling_buffers
+from .chain import ChainOutputs, ChainSampling, sampling_buffers, verify_targets
 from .eagle_steps import ChainPositions, DraftExtendBatch, EagleExtendStep
 from .eagle_tree_step import EagleTreeDraftStep, TreeDraftBatch
 from .verify import accept_greedy_batched
@@ -217,18 +216,14 @@ class EagleTreeChainStep(StepKind):
                           query_lens=[w] * n, seq_lens_cpu=[w] * n, custom_masks=list(tree.masks.unbind(0)),
                           capture_hidden_mode=CaptureHiddenMode.FULL)
         out = self.target(fb, self.kv, attn_meta=self.target.attn_backend.capture_metadata(fb, bs, w))
-        targets = greedy_tokens(out.logits).view(n, w)
-        if sp is not None:  # node j: the plain sampler's draw of output token draws + depth[j]
-            keys = stream_keys(sp.seeds[:, None], sp.draws[:, None] + tree.depth).reshape(-1)
-            drawn = sample_rows(out.logits, sp.settings(out.logits.shape[-1], w), keys).view(n, w)
-            targets = torch.where(sp.sampled.bool()[:, None], drawn, targets)
+        targets = verify_targets(out.logits, sp, tree.depth)  # sampled node j: the draw of draws + depth[j]
         acc = tree_accept(targets, tree, at.slots, s.base, s.live, s.roots)
         self.kv.copy_slots(acc.src, acc.dst)  # the accepted path's target KV to base + 1 .. base + k
         ext = self.extend.body(DraftExtendBatch(acc.ext_ids, out.hidden_states[acc.ext_rows],
                                                 at.request_major(at.positions), acc.ext_slots, acc.ext_seq_lens,
                                                 s.block_tables, acc.accepted, [w] * n), graph=True)
         if sp is not None:
-            sp.draws.copy_(torch.where(s.live.bool() & sp.sampled.bool(), sp.draws + acc.accepted + 1, sp.draws))
+            sp.advance(s.live, acc.accepted)
         s.logits.copy_(ext.logits)
         s.hidden.copy_(ext.hidden)
         return ChainOutputs(acc.path_tokens, acc.accepted, acc.bonus, ext.logits, ext.first, ext.hidden)
