@@ -64,13 +64,8 @@ def stream_keys_2d(seeds: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _race_slices_kernel(P, IDS, KEYS, PV, PI, stride_p, stride_ids, n_cols, num_slices, GOLDEN, M1, M2,
-                        HAS_IDS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1)
-    offs = s * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < n_cols
-    p = tl.load(P + row * stride_p + offs, mask=inside, other=0.0).to(tl.float32)
+def _noise(IDS, KEYS, row, offs, inside, stride_ids, GOLDEN, M1, M2, HAS_IDS: tl.constexpr):
+    """draw_noise of the row's key at columns offs (of token ids[row, offs] with HAS_IDS), as float32."""
     if HAS_IDS:
         tok = tl.load(IDS + row * stride_ids + offs, mask=inside, other=0).to(tl.uint64)
     else:
@@ -78,8 +73,18 @@ def _race_slices_kernel(P, IDS, KEYS, PV, PI, stride_p, stride_ids, n_cols, num_
     key = tl.load(KEYS + row).to(tl.uint64)
     bits = _mix64(key + (tok + 1) * GOLDEN, M1, M2)
     u = ((bits >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2 ** -53
-    e = (-tl.log(u)).to(tl.float32)
-    score = tl.math.div_rn(p, e)
+    return (-tl.log(u)).to(tl.float32)
+
+
+@triton.jit
+def _race_slices_kernel(P, IDS, KEYS, PV, PI, stride_p, stride_ids, n_cols, num_slices, GOLDEN, M1, M2,
+                        HAS_IDS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    offs = s * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n_cols
+    p = tl.load(P + row * stride_p + offs, mask=inside, other=0.0).to(tl.float32)
+    score = tl.math.div_rn(p, _noise(IDS, KEYS, row, offs, inside, stride_ids, GOLDEN, M1, M2, HAS_IDS))
     # NaN (a padding row's 0 / 0) scores -inf: argmax over NaN is undefined and could name a column past n_cols
     score = tl.where(inside & (score == score), score, float("-inf"))
     m = tl.max(score, 0)
@@ -99,14 +104,7 @@ def _race_logits_slices_kernel(X, IDS, KEYS, T, SAMPLED, PV, PI, stride_x, strid
     inside = offs < n_cols
     x = tl.load(X + row * stride_x + offs, mask=inside, other=float("-inf")).to(tl.float32)
     if tl.load(SAMPLED + row) != 0:
-        if HAS_IDS:
-            tok = tl.load(IDS + row * stride_ids + offs, mask=inside, other=0).to(tl.uint64)
-        else:
-            tok = offs.to(tl.uint64)
-        key = tl.load(KEYS + row).to(tl.uint64)
-        bits = _mix64(key + (tok + 1) * GOLDEN, M1, M2)
-        u = ((bits >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2 ** -53
-        e = (-tl.log(u)).to(tl.float32)
+        e = _noise(IDS, KEYS, row, offs, inside, stride_ids, GOLDEN, M1, M2, HAS_IDS)
         x = tl.math.div_rn(x, tl.load(T + row)) - tl.log(e)
     x = tl.where(inside & (x == x), x, float("-inf"))
     tl.store(PV + row * num_slices + s, tl.max(x, 0))
