@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from ..forward_batch import CaptureHiddenMode, ForwardBatch
 from ..kernels import use_triton
-from .chain import verify_targets
 from .dflash_chain import DFlashChainBatch, DFlashChainOutputs, DFlashChainStep
+from .eagle_steps import ChainPositions
 from .tree import select_tree_nodes_batched
-from .tree_chain import tree_accept, tree_layout
+from .tree_chain import tree_layout, verify_tree
 
 
 def beam_sizes(depth: int, topk: int, budget: int) -> list[int]:
@@ -76,27 +75,17 @@ class DDTreeChainStep(DFlashChainStep):
                              f"{budget} nodes.")
 
     def _step(self, s: DFlashChainBatch) -> DFlashChainOutputs:
-        n, w, bs = s.roots.shape[0], self.width, self.kv.block_size
-        dev = s.roots.device
+        w, bs = self.width, self.kv.block_size
         sp = s.sampling
         logits = self._draft_block(s)  # [B, S - 1, V]
         lp, tk = logits.float().log_softmax(-1).topk(self.topk, dim=-1)
         tree = tree_layout(s.roots, *ddtree_nodes(lp, tk, self.budget), self.block - 1)
-        # verify: node j at slot base + j, RoPE position base + depth[j], under its ancestor mask
-        j = torch.arange(w, device=dev)
-        slots = s.block_tables[torch.arange(n, device=dev)[:, None], (s.base[:, None] + j) // bs] * bs \
-            + (s.base[:, None] + j) % bs  # [B, N]
-        fb = ForwardBatch(input_ids=tree.tokens.reshape(-1), positions=(s.base[:, None] + tree.depth).reshape(-1),
-                          out_cache_loc=slots.reshape(-1), seq_lens=s.base + w, block_tables=s.block_tables,
-                          logits_indices=torch.arange(n * w, device=dev), query_lens=[w] * n, seq_lens_cpu=[w] * n,
-                          custom_masks=list(tree.masks.unbind(0)), capture_hidden_mode=CaptureHiddenMode.FULL)
-        out = self.target(fb, self.kv, attn_meta=self.target.attn_backend.capture_metadata(fb, bs, w))
-        targets = verify_targets(out.logits, sp, tree.depth)  # sampled node j: the draw of draws + depth[j]
-        positions = (s.base[:, None] + j).reshape(-1)  # before tree_accept moves base on
-        acc = tree_accept(targets, tree, slots.t(), s.base, s.live, s.roots)
-        self.kv.copy_slots(acc.src, acc.dst)  # the accepted path's target KV to base + 1 .. base + k
+        # the positions base + j (the RoPE table is not read here: no clamp)
+        at = ChainPositions.of(s.base, s.block_tables, bs, w, s.block_tables.shape[1] * bs)
+        out, acc = verify_tree(self.target, self.kv, tree, at, s, sp)
         # the context grows by the root and the accepted path (the other rows write the dummy slot 0)
-        self.draft.inject_context(out.hidden_states[acc.ext_rows], positions, acc.ext_slots, self.cache)
+        self.draft.inject_context(out.hidden_states[acc.ext_rows], at.request_major(at.positions), acc.ext_slots,
+                                  self.cache)
         if sp is not None:
             sp.advance(s.live, acc.accepted)
         return DFlashChainOutputs(acc.path_tokens, acc.accepted, acc.bonus)

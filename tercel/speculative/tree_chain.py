@@ -139,6 +139,26 @@ def tree_accept(targets: torch.Tensor, tree: TreeLayout, slots: torch.Tensor, ba
                         ext_rows.reshape(-1), ext_slots.reshape(-1), ext_seq)
 
 
+def verify_tree(target: torch.nn.Module, kv: PagedKVCache, tree: TreeLayout, at: ChainPositions,
+                s: "TreeChainBatch | object", sp: ChainSampling | None) -> tuple[object, TreeAccepted]:
+    """A chained tree step's verify, acceptance and compaction (EAGLE trees and DDTREE alike): node j at KV slot
+    base + j, RoPE position base + depth[j], under its ancestor mask, FULL hidden capture; then tree_accept (root
+    and base of s move on in place) and the accepted path's target KV moved to base + 1 .. base + k. s: the step's
+    state (base, block_tables, live, roots); at: the positions base + j. Returns (the target's output, accepted)."""
+    n, w = tree.tokens.shape
+    bs = kv.block_size
+    fb = ForwardBatch(input_ids=tree.tokens.reshape(-1), positions=(s.base[:, None] + tree.depth).reshape(-1),
+                      out_cache_loc=at.request_major(at.slots), seq_lens=at.seq_lens[w - 1],
+                      block_tables=s.block_tables, logits_indices=torch.arange(n * w, device=s.base.device),
+                      query_lens=[w] * n, seq_lens_cpu=[w] * n, custom_masks=list(tree.masks.unbind(0)),
+                      capture_hidden_mode=CaptureHiddenMode.FULL)
+    out = target(fb, kv, attn_meta=target.attn_backend.capture_metadata(fb, bs, w))
+    targets = verify_targets(out.logits, sp, tree.depth)  # sampled node j: the draw of draws + depth[j]
+    acc = tree_accept(targets, tree, at.slots, s.base, s.live, s.roots)
+    kv.copy_slots(acc.src, acc.dst)
+    return out, acc
+
+
 class EagleTreeChainStep(StepKind):
     name = "spec_tree_chain"
     tokens_per_request = 1  # every buffer is per request
@@ -202,23 +222,13 @@ class EagleTreeChainStep(StepKind):
 
     def _step(self, s: TreeChainBatch) -> ChainOutputs:
         n, w, bs = s.roots.shape[0], self.width, self.kv.block_size
-        dev = s.roots.device
         sp = s.sampling
         # draft: the re-ranked tree, its prefix read as far as the block tables reach (the same shape eagerly)
         cand = self.tree.body(TreeDraftBatch(s.logits, s.hidden, s.base, s.block_tables),
                               s.block_tables.shape[1] * bs)
         tree = tree_layout(s.roots, cand.tree_tokens, cand.tree_parents, self.tree.num_steps)
-        # verify: node j at slot base + j, RoPE position base + depth[j], under its ancestor mask
         at = ChainPositions.of(s.base, s.block_tables, bs, w, self.tree.max_position)
-        fb = ForwardBatch(input_ids=tree.tokens.reshape(-1), positions=(s.base[:, None] + tree.depth).reshape(-1),
-                          out_cache_loc=at.request_major(at.slots), seq_lens=at.seq_lens[w - 1],
-                          block_tables=s.block_tables, logits_indices=torch.arange(n * w, device=dev),
-                          query_lens=[w] * n, seq_lens_cpu=[w] * n, custom_masks=list(tree.masks.unbind(0)),
-                          capture_hidden_mode=CaptureHiddenMode.FULL)
-        out = self.target(fb, self.kv, attn_meta=self.target.attn_backend.capture_metadata(fb, bs, w))
-        targets = verify_targets(out.logits, sp, tree.depth)  # sampled node j: the draw of draws + depth[j]
-        acc = tree_accept(targets, tree, at.slots, s.base, s.live, s.roots)
-        self.kv.copy_slots(acc.src, acc.dst)  # the accepted path's target KV to base + 1 .. base + k
+        out, acc = verify_tree(self.target, self.kv, tree, at, s, sp)
         ext = self.extend.body(DraftExtendBatch(acc.ext_ids, out.hidden_states[acc.ext_rows],
                                                 at.request_major(at.positions), acc.ext_slots, acc.ext_seq_lens,
                                                 s.block_tables, acc.accepted, [w] * n), graph=True)
