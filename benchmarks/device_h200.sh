@@ -15,6 +15,9 @@
 # Logs and results land in $OUT as they are written, so a cut call still returns them.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+# the card in the result names: h200, or h100 where a call was served by an H100
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o "H[0-9]\{3\}" | tr H h)
+GPU=${GPU:-h200}
 M=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p /tmp/smol
 if [ -n "${N:-}" ]; then cp .carry/smol-$N/* /tmp/smol/; fi
@@ -41,22 +44,22 @@ tests)
 bench)
   timeout ${BENCH_S:-570} python3 benchmarks/spec_rounds.py --model $M --rounds ${ROUNDS:-5} ${SHAPE:+--shape $SHAPE} ${SKIP:+--skip-smollm2} \
     ${CONFIGS:+--configs $CONFIGS} --concurrency ${CONC:-1,16,64} \
-    --out $OUT/spec_rounds_${NAME:-smollm2}_h200_${TERCEL_COMMIT}.json 2>&1 | tee $OUT/spec_rounds_${NAME:-smollm2}.log \
+    --out $OUT/spec_rounds_${NAME:-smollm2}_${GPU}_${TERCEL_COMMIT}.json 2>&1 | tee $OUT/spec_rounds_${NAME:-smollm2}.log \
     | tail -60 ;;
 profile)
   timeout ${BENCH_S:-400} python3 benchmarks/step_profile.py --model $M --tokens ${TOKENS:-128} ${CONFIGS:+--configs $CONFIGS} \
-    --out $OUT/step_profile_smollm2_h200_${TERCEL_COMMIT}.json 2>&1 | grep -v "^USDT\|profiler_st" | tee $OUT/step_profile.log | tail -30 ;;
+    --out $OUT/step_profile_smollm2_${GPU}_${TERCEL_COMMIT}.json 2>&1 | grep -v "^USDT\|profiler_st" | tee $OUT/step_profile.log | tail -30 ;;
 probe)
   timeout ${BENCH_S:-300} python3 benchmarks/verify_probe.py --shapes ${SHAPES:-smol} --tokens ${TOKENS:-1,2,8,16} \
-    --out $OUT/verify_probe_h200_${TERCEL_COMMIT}.json 2>&1 | tee $OUT/verify_probe.log | tail -30 ;;
+    --out $OUT/verify_probe_${GPU}_${TERCEL_COMMIT}.json 2>&1 | tee $OUT/verify_probe.log | tail -30 ;;
 gaps)
   timeout ${BENCH_S:-400} python3 benchmarks/batch_gaps.py --model $M --concurrency ${CONC:-64} --tokens ${TOKENS:-128} \
-    ${CONFIGS:+--configs $CONFIGS} --out $OUT/batch_gaps_smollm2_h200_${TERCEL_COMMIT}.json 2>&1 | tee $OUT/batch_gaps.log \
+    ${CONFIGS:+--configs $CONFIGS} --out $OUT/batch_gaps_smollm2_${GPU}_${TERCEL_COMMIT}.json 2>&1 | tee $OUT/batch_gaps.log \
     | tail -30 ;;
 offline)
   timeout ${BENCH_S:-480} python3 -m tercel bench offline --model $M --rounds ${ROUNDS:-5} --concurrency ${CONC:-1,4,16,64,256} \
     --output-len ${LEN:-128} --eagle-draft tercel/drafts/smollm2-eagle3 --dflash-draft tercel/drafts/smollm2-dflash \
-    ${ALGOS:+--algorithms $ALGOS} ${EXTRA:-} --output-dir $OUT --name bench_offline_smollm2_h200_${TERCEL_COMMIT} 2>&1 | tr '\r' '\n' | grep -v "bench offline:" \
+    ${ALGOS:+--algorithms $ALGOS} ${EXTRA:-} --output-dir $OUT --name bench_offline_smollm2_${GPU}_${TERCEL_COMMIT} 2>&1 | tr '\r' '\n' | grep -v "bench offline:" \
     | tee $OUT/bench_offline.log | tail -40 ;;
 serve)
   for label in ${LABELS:-eagle3 plain}; do
@@ -72,7 +75,7 @@ serve)
     done
     timeout ${SERVE_S:-240} python3 -m tercel bench serve --ready-timeout 5 --request-rate ${RATES:-4,16,inf} \
       --num-prompts ${PROMPTS:-128} --max-tokens 256 --label ${label} --output-dir $OUT \
-      --name bench_serve_smollm2_h200_${label}_${TERCEL_COMMIT} 2>&1 | tail -30
+      --name bench_serve_smollm2_${GPU}_${label}_${TERCEL_COMMIT} 2>&1 | tail -30
     kill $srv; wait $srv 2>/dev/null
   done ;;
 esac
