@@ -24,7 +24,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_bandwidth, environment  # noqa: E402
 
+from tercel.speculative.config import DEFAULT_EAGLE3_TOKEN_MAP  # noqa: E402
+
 E3 = dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1)
+TMAP = str(DEFAULT_EAGLE3_TOKEN_MAP)
 TREE = dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_num_draft_tokens=16)
 CONFIGS = {  # name -> (engine keywords, temperature)
     "plain": ({}, 0.0),
@@ -34,6 +37,9 @@ CONFIGS = {  # name -> (engine keywords, temperature)
     "ngram-adaptive": (dict(speculative_algorithm="NGRAM"), 0.0),
     "eagle3-tree16": (dict(TREE, speculative_adaptive="off"), 0.0),
     "eagle3-tree16-adaptive": (dict(TREE), 0.0),
+    # the bundled hot-token map: the draft's lm_head reads 5244 rows instead of 49152 a draft step
+    "eagle3-chain-tmap": (dict(E3, speculative_adaptive="off", speculative_token_map=TMAP), 0.0),
+    "eagle3-tree16-tmap": (dict(TREE, speculative_adaptive="off", speculative_token_map=TMAP), 0.0),
     "dflash": (dict(speculative_algorithm="DFLASH", speculative_adaptive="off"), 0.0),
     "dflash-adaptive": (dict(speculative_algorithm="DFLASH"), 0.0),
     "ddtree16": (dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16, speculative_adaptive="off"), 0.0),
