@@ -324,6 +324,7 @@ class LLMEngine:
                         self.gemv_choices = self.model.gemv_choices = tune_model(self.model)
                     except Exception as e:  # never fatal: tune_model sets nothing unless it finishes
                         log.warning("batch-1 GEMV tuning failed (%s); using cuBLAS for every linear", e)
+                    self._tune_draft()
         # CPU tests drive the same runners with the breakable-debug backend (forwards re-run on static buffers)
         g = config.graph
         if self.tp_group is not None:
@@ -333,6 +334,19 @@ class LLMEngine:
                 log.warning("tensor parallelism runs eagerly: no CUDA graphs are captured with tp_size > 1 (yet)")
         elif not g.disable_cuda_graph and (self.device.type == "cuda" or g.cuda_graph_backend == "breakable-debug"):
             self._init_graphs(g.cuda_graph_max_bs, g.cuda_graph_bs, g.cuda_graph_backend, sched.max_num_seqs)
+
+    def _tune_draft(self) -> None:
+        """An EAGLE chain's draft steps run one row at batch 1: its linears get the Triton GEMV where it measures
+        faster, as the target's decode does (before the graphs are captured)."""
+        draft = self.spec.drafter.one_row_model() if self.spec is not None else None
+        if draft is None:
+            return
+        from .models.gemv_tuning import tune_draft
+
+        try:
+            tune_draft(draft)
+        except Exception as e:  # never fatal: tune_draft sets nothing unless it finishes
+            log.warning("draft GEMV tuning failed (%s); the draft keeps cuBLAS", e)
 
     def _init_graphs(self, max_bs: int | None, batch_sizes: list[int] | None, backend: str, max_num_seqs: int) -> None:
         from .graphs import GraphConfig

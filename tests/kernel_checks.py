@@ -743,10 +743,78 @@ def check_race_logits(device: str, dtype: torch.dtype) -> None:
         assert not torch.equal(want[sampled == 1], greedy[sampled == 1]) or n == 1, (n, v)  # the noise counts
 
 
+def check_topk_rows(device: str, dtype: torch.dtype) -> None:
+    """The tree drafts' top k of a softmax (kernels/topk_rows.py) gives torch's softmax / log_softmax + topk: the
+    same values, distinct columns that hold them, the lower column first on ties; vocabularies off the slice
+    width, a slice with fewer finite values than k, k up to 16."""
+    from tercel.kernels.topk_rows import softmax_topk_rows
+
+    g = torch.Generator(device="cpu").manual_seed(29)
+    for r, v, k, log in [(4, 49152, 4, False), (3, 4096 * 2 + 5, 8, True), (2, 100, 16, False), (5, 4097, 1, True)]:
+        x = (torch.randn(r, v, generator=g) * 3).to(dtype)
+        x[0, 9] = x[0].max() + 1  # a tie at the top: the lower column first
+        x[0, 4000 % v] = x[0, 9]
+        x[1, :] = float("-inf")
+        x[1, v - 1] = 1.0  # one finite column, in the last slice: the rest are -inf columns, each once
+        ref = x.float().log_softmax(-1) if log else x.float().softmax(-1)
+        want = ref.topk(k, dim=-1).values
+        got, cols = softmax_topk_rows(x.to(device), k, log)
+        got, cols = got.cpu(), cols.cpu()
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), (r, v, k, log, got, want)
+        assert torch.allclose(ref.gather(1, cols), got, rtol=1e-5, atol=1e-7), (r, v, k, log)
+        assert all(len(set(row)) == k for row in cols.tolist()), (r, v, k, cols)
+        assert cols[0, :2].tolist() == sorted([9, 4000 % v])[:k] and cols[1, 0] == v - 1, (r, v, k, cols)
+
+
+def check_draft_rope_attention(device: str, dtype: torch.dtype) -> None:
+    """An EAGLE-3 draft layer through the Triton backend with RoPE and the K/V store in the backend's kernels
+    (eagle_steps.BackendAttend.rope: one-row decode batches in the split-KV kernel, several rows through
+    rope_store) gives the unfused path (apply_rope, then backend.forward): the same hidden states and draft KV."""
+    import tempfile
+    from pathlib import Path
+
+    from graph_utils import TINY, FakeRequests
+
+    from tercel.attention.triton_backend import TritonAttentionBackend
+    from tercel.config import ModelConfig
+    from tercel.kv import PagedKVCache
+    from tercel.loader.drafts import load_eagle_draft
+    from tercel.speculative.eagle_steps import BackendAttend
+    from tercel.train.export import random_eagle3
+
+    cfg = ModelConfig.from_hf_dict(TINY)
+    g = torch.Generator(device="cpu").manual_seed(31)
+    with tempfile.TemporaryDirectory() as d:
+        head = random_eagle3(Path(d) / "head", cfg, draft_vocab_size=128, aux_layer_ids=(0, 1, 2), std=0.3)
+        draft = load_eagle_draft(head, cfg, dtype, torch.device(device), 512)
+    draft.share_target(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g).to(device, dtype),
+                       torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g).to(device, dtype))
+    lc = draft.config.layers
+    backend = TritonAttentionBackend(lc.num_heads, lc.num_kv_heads, lc.head_dim, None)
+    assert backend.fuses_rope
+    for rows in (1, 3):  # decode rows (RoPE in the split kernel), then verify-like rows (rope_store)
+        kv = PagedKVCache(draft.kv_spec(4, dtype), 64, torch.device(device))
+        kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+        kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+        kv_ref = PagedKVCache(draft.kv_spec(4, dtype), 64, torch.device(device))
+        kv_ref.k.copy_(kv.k)
+        kv_ref.v.copy_(kv.v)
+        batch = FakeRequests(3, kv, cfg.vocab_size).batch([0, 1, 2], rows)
+        hidden = torch.randn(batch.input_ids.shape[0], draft.config.fc_in, generator=g).to(device, dtype)
+        fused = BackendAttend(backend, batch, backend.prepare(batch, kv.block_size), kv)
+        plain = BackendAttend(backend, batch, backend.prepare(batch, kv.block_size), kv_ref)
+        plain.rope = None
+        got = draft(batch.input_ids, hidden, batch.positions, fused, from_target=True)
+        want = draft(batch.input_ids, hidden, batch.positions, plain, from_target=True)
+        assert _rel(got, want) < _tol(dtype), (rows, _rel(got, want))
+        assert _rel(kv.k, kv_ref.k) < _tol(dtype) / 4 and _rel(kv.v, kv_ref.v) < _tol(dtype) / 4, rows
+
+
 ALL = [check_race, check_argmax, check_norms, check_rope_store, check_decode, check_extend, check_gemv,
        check_gemv_fused, check_gemm_small, check_decode_rope, check_tree_draft_attention,
        check_dflash_paged_attention, check_chain_accept, check_stream_keys,
-       check_sample_filter, check_tree_accept, check_ddtree_beams, check_race_logits]
+       check_sample_filter, check_tree_accept, check_ddtree_beams, check_race_logits,
+       check_topk_rows, check_draft_rope_attention]
 
 
 def run_in_interpreter(check: str, timeout: int = 300) -> None:

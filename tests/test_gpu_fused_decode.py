@@ -132,6 +132,31 @@ def test_tuner_sets_every_role_and_keeps_the_logits(dtype):
             assert rel < 3e-2, rel
 
 
+@needs_cuda
+@torch.inference_mode()
+def test_draft_tuner_measures_every_draft_linear_and_keeps_its_products(tmp_path):
+    """tune_draft (an EAGLE chain's one-row draft steps) measures each bias-free draft Linear shape once and
+    sets what it keeps; every draft Linear still computes cuBLAS's one-row product."""
+    import torch.nn.functional as F
+
+    from tercel.loader.drafts import load_eagle_draft
+    from tercel.models.gemv_tuning import tune_draft
+    from tercel.models.linear import Linear
+    from tercel.train.export import random_eagle3
+
+    _, cfg = tiny_model("cuda", torch.bfloat16)
+    head = random_eagle3(tmp_path / "head", cfg, draft_vocab_size=cfg.vocab_size // 2, aux_layer_ids=(0, 1, 2))
+    draft = load_eagle_draft(head, cfg, torch.bfloat16, torch.device("cuda"), 64)
+    linears = [m for m in draft.modules() if isinstance(m, Linear) and m.bias is None]
+    choices = tune_draft(draft)
+    assert {c.shape for c in choices} == {tuple(m.weight.shape) for m in linears}
+    assert all(c.rows == 1 for c in choices)
+    for m in linears:
+        assert m.gemv == next(c.config for c in choices if c.shape == tuple(m.weight.shape))
+        x = torch.randn(1, m.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+        torch.testing.assert_close(m(x).float(), F.linear(x, m.weight).float(), atol=2e-2, rtol=2e-2)
+
+
 if __name__ == "__main__":
     import kernel_checks  # noqa: F401  (under TRITON_INTERPRET=1: patches the interpreter for NumPy 2)
 

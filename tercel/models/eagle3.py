@@ -110,11 +110,16 @@ class EagleDraftConfig:
 
 def attention(attn: Attention, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
               attend: AttendFn) -> torch.Tensor:
-    """One attention block of a draft layer: fused qkv, RoPE, the caller's attention over its KV, o_proj."""
+    """One attention block of a draft layer: fused qkv, RoPE, the caller's attention over its KV, o_proj. An
+    attend with a `rope` method (the target's attention backend) rotates and stores in its own kernels."""
     qkv = attn.qkv_proj(x)
     t, heads = qkv.shape[0], attn.num_heads + attn.num_kv_heads
-    qk = apply_rope(qkv[:, :attn.q_size + attn.kv_size].view(t, heads, attn.head_dim), *cos_sin)
+    qk = qkv[:, :attn.q_size + attn.kv_size].view(t, heads, attn.head_dim)
     v = qkv[:, attn.q_size + attn.kv_size:].view(t, attn.num_kv_heads, attn.head_dim)
+    rope = getattr(attend, "rope", None)
+    if rope is not None:
+        return attn.o_proj(rope(attn.layer, qk, v, cos_sin))
+    qk = apply_rope(qk, *cos_sin)
     return attn.o_proj(attend(attn.layer, qk[:, :attn.num_heads], qk[:, attn.num_heads:], v))
 
 

@@ -77,23 +77,48 @@ def _tune_small_m(model: torch.nn.Module) -> list[GemvChoice]:
     return [c for _, c in measured]
 
 
+HALF = (torch.bfloat16, torch.float16)
+
+
+def _measure_linears(model: torch.nn.Module, skip: object = None,
+                     half_only: bool = False) -> list[tuple[list[Linear], GemvChoice]]:
+    """Every bias-free CUDA Linear of `model` (but `skip`; with half_only bf16 / fp16 ones only) grouped by shape
+    and dtype, each group measured once. Measured before anything is set: a failure part-way leaves every layer
+    on cuBLAS."""
+    groups: dict[tuple, list[Linear]] = defaultdict(list)
+    for m in model.modules():
+        if (isinstance(m, Linear) and m.bias is None and m.weight.is_cuda and m is not skip
+                and (m.weight.dtype in HALF or not half_only)):
+            groups[(tuple(m.weight.shape), m.weight.dtype)].append(m)
+    return [(mods, tune_shape([m.weight for m in mods])) for mods in groups.values()]
+
+
+def _set_linears(measured: list[tuple[list[Linear], GemvChoice]]) -> None:
+    for mods, choice in measured:
+        for m in mods:
+            m.gemv = choice.config
+
+
+@torch.inference_mode()
+def tune_draft(model: torch.nn.Module) -> list[GemvChoice]:
+    """A draft model's one-row linears (an EAGLE chain's draft steps at batch 1): each bias-free bf16 / fp16
+    Linear shape gets the Triton GEMV where it measures faster than cuBLAS. Its head, when it is the target's,
+    was tuned with the target."""
+    measured = _measure_linears(model, half_only=True)  # a wider (fp32) draft keeps cuBLAS
+    _set_linears(measured)
+    return _log_choices([c for _, c in measured], "draft ")
+
+
 @torch.inference_mode()
 def tune_model(model: torch.nn.Module) -> list[GemvChoice]:
     """Measure every bias-free Linear shape of `model` (and its tied lm_head) and set each layer's
     `gemv` config. Returns the measurements (also logged)."""
     head = getattr(model, "lm_head", 0)  # a Linear, None when tied to the embedding, 0: no such model
-    groups: dict[tuple[int, int], list[Linear]] = defaultdict(list)
-    for m in model.modules():
-        if isinstance(m, Linear) and m.bias is None and m.weight.is_cuda and m is not head:
-            groups[tuple(m.weight.shape)].append(m)
-    # measure everything first, then set: a failure part-way leaves every layer on cuBLAS
-    measured = [(mods, tune_shape([m.weight for m in mods])) for mods in groups.values()]
+    measured = _measure_linears(model, skip=head)
     # the head on its own, as it runs: its logits are fp32 (LlamaForCausalLM.compute_logits)
     has_head = head != 0 and (head is None or head.bias is None) and model.lm_head_weight.is_cuda
     head_choice = tune_shape([model.lm_head_weight], out_dtype=torch.float32) if has_head else None
-    for mods, choice in measured:
-        for m in mods:
-            m.gemv = choice.config
+    _set_linears(measured)
     if head_choice is not None:
         if head is None:
             model.lm_head_gemv = head_choice.config
@@ -115,8 +140,8 @@ def tune_model(model: torch.nn.Module) -> list[GemvChoice]:
     return _log_choices(choices)
 
 
-def _log_choices(choices: list[GemvChoice]) -> list[GemvChoice]:
+def _log_choices(choices: list[GemvChoice], what: str = "") -> list[GemvChoice]:
     for c in choices:
-        log.info("linear %s %s x%d layers, %d row(s): unfused %.1f us, GEMV %s us -> %s", c.role, c.shape, c.layers,
-                 c.rows, c.cublas_us, c.gemv_us, c.config or "unfused")
+        log.info("%slinear %s %s x%d layers, %d row(s): unfused %.1f us, GEMV %s us -> %s", what, c.role, c.shape,
+                 c.layers, c.rows, c.cublas_us, c.gemv_us, c.config or "unfused")
     return choices

@@ -18,7 +18,7 @@ import torch
 from ..kernels import use_triton
 from .dflash_chain import DFlashChainBatch, DFlashChainOutputs, DFlashChainStep
 from .eagle_steps import ChainPositions
-from .tree import select_tree_nodes_batched
+from .tree import select_tree_nodes_batched, top_k_probs
 from .tree_chain import tree_layout, verify_tree
 
 
@@ -78,7 +78,7 @@ class DDTreeChainStep(DFlashChainStep):
         w, bs = self.width, self.kv.block_size
         sp = s.sampling
         logits = self._draft_block(s)  # [B, S - 1, V]
-        lp, tk = logits.float().log_softmax(-1).topk(self.topk, dim=-1)
+        lp, tk = top_k_probs(logits, self.topk, log=True)
         tree = tree_layout(s.roots, *ddtree_nodes(lp, tk, self.budget), self.block - 1)
         # the positions base + j (the RoPE table is not read here: no clamp)
         at = ChainPositions.of(s.base, s.block_tables, bs, w, s.block_tables.shape[1] * bs)

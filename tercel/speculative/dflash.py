@@ -30,7 +30,7 @@ from ..sampling import ahead_keys, draw_noise, filter_logits, race
 from .dflash_block_step import BlockBatch, DFlashBlockStep
 from .drafter import Drafter, ExtendedChunk
 from .host import SpecEngine
-from .tree import DraftTree
+from .tree import DraftTree, top_k_probs
 from .verify import Accepted
 
 
@@ -197,7 +197,7 @@ class DFlashDrafter(Drafter):
         batch = BlockBatch(t[0], t[1], t[2].view(len(reqs), cols), t[3])
         logits = eng.executor.run(DRAFT_BLOCK, batch)  # [B, S - 1, V]: one replay where captured
         if self.tree_budget is not None:  # every request's candidates in one copy back
-            lp_all, tk_all = (x.cpu() for x in logits.float().log_softmax(-1).topk(self.tree_topk, dim=-1))
+            lp_all, tk_all = (x.cpu() for x in top_k_probs(logits, self.tree_topk, log=True))
         greedy_all = logits.argmax(-1).tolist() if self.tree_budget is None and all(
             r.params.greedy for r in reqs) else None
         trees = []

@@ -51,6 +51,11 @@ class Drafter:
     has_kv: bool = False
     kv_lookahead: int = 0
 
+    def one_row_model(self) -> torch.nn.Module | None:
+        """The draft model whose forwards run one row at a time (an EAGLE chain at batch 1), for the engine's
+        batch-1 GEMV tuning; None: this drafter has none."""
+        return None
+
     def init_graphs(self, config: "GraphConfig", max_blocks: int) -> None:
         """Capture the drafter's own steps (draft loop, draft_extend) for every bucket; default: none."""
 

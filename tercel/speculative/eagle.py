@@ -38,7 +38,7 @@ from .drafter import DeviceChains, Drafter, ExtendedChunk
 from .eagle_steps import DraftExtendBatch, DraftLoopBatch, EagleDraftLoopStep, EagleExtendStep
 from .eagle_tree_step import DraftAttention, EagleTreeDraftStep, TreeDraftBatch
 from .host import SpecEngine
-from .tree import DraftTree
+from .tree import DraftTree, top_k_probs
 from .verify import Accepted
 
 if TYPE_CHECKING:
@@ -108,6 +108,9 @@ class EagleDrafter(Drafter):
                               f"{model.config.kind.upper()} draft; pass --speculative-algorithm "
                               f"{model.config.kind.upper()}.")
         return cls(engine, model, cfg.num_steps, cfg.topk, cfg.num_draft_tokens, cfg.token_map)
+
+    def one_row_model(self) -> torch.nn.Module | None:
+        return self.model if self.topk == 1 else None  # a tree's draft steps run K rows
 
     def ready(self, req: Request) -> bool:
         st = req.spec_state
@@ -270,7 +273,7 @@ class EagleDrafter(Drafter):
                 """top-k (scores, draft ids) of [B, K', Vd] logits; a chain's sampling rows draw instead: q, the
                 request's own filters on the draft logits, raced against the noise the target's draw for the
                 same output token will use (`ahead` places on), so draft and target agree wherever q and p do."""
-                scores, idx = logits.softmax(-1).topk(k, dim=-1)
+                scores, idx = top_k_probs(logits, k)
                 groups: dict[tuple, list[int]] = {}
                 for i in sample_rows:
                     p = reqs[i].params

@@ -102,8 +102,26 @@ def target_hidden_width(model: EagleDraftModel) -> int:
     return cfg.fc_in if cfg.kind == "eagle3" and cfg.aux_layer_ids else cfg.target_hidden_size
 
 
-def _attend(backend, batch: ForwardBatch, meta: object, kv: PagedKVCache):
-    return lambda layer, q, k, v: backend.forward(layer, q, k, v, batch, meta, kv)
+class BackendAttend:
+    """A draft layer's attention through the target's backend over the draft's KV: called with rotated q, k
+    and v; `rope` (None unless the backend fuses RoPE) takes q / k unrotated and rotates and stores them in
+    the backend's kernels (decode batches: inside the split-KV kernel), as the target's layers do."""
+
+    __slots__ = ("backend", "batch", "meta", "kv", "rope")
+
+    def __init__(self, backend, batch: ForwardBatch, meta: object, kv: PagedKVCache) -> None:
+        self.backend, self.batch, self.meta, self.kv = backend, batch, meta, kv
+        self.rope = self._rope if backend.fuses_rope else None
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.backend.forward(layer, q, k, v, self.batch, self.meta, self.kv)
+
+    def _rope(self, layer: int, qk: torch.Tensor, v: torch.Tensor, cos_sin) -> torch.Tensor:
+        return self.backend.forward_rope(layer, qk, v, cos_sin, self.batch, self.meta, self.kv)
+
+
+def _attend(backend, batch: ForwardBatch, meta: object, kv: PagedKVCache) -> BackendAttend:
+    return BackendAttend(backend, batch, meta, kv)
 
 
 def _top1(model: EagleDraftModel, logits: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from ..graphs.buffers import BufferSpec, Pad, Per
 from ..kv import PagedKVCache
 from ..models.eagle3 import EagleDraftModel
 from .eagle_steps import _DraftStep
-from .tree import select_tree_nodes_batched
+from .tree import select_tree_nodes_batched, top_k_probs
 
 Pick = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -202,7 +202,7 @@ class EagleTreeDraftStep(_DraftStep):
         return TreeCandidates(tokens, scores, parents, tokens.gather(1, kept), tree_parents)
 
     def _top_k(self, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return logits.softmax(-1).topk(self.topk, dim=-1)
+        return top_k_probs(logits, self.topk)
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.model.draft_to_target[draft_ids] if self.model.maps_vocab else draft_ids

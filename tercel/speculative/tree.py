@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels import use_triton
+
 
 @dataclass(slots=True)
 class DraftTree:
@@ -101,3 +103,17 @@ def select_tree_nodes_batched(scores: torch.Tensor, parents: torch.Tensor,
     node_of.scatter_(1, kept, torch.arange(1, num_nodes + 1, device=scores.device).expand(b, -1))
     par = parents.gather(1, kept)
     return kept, torch.where(par < 0, torch.zeros_like(par), node_of.gather(1, par.clamp(min=0)))
+
+
+def top_k_probs(logits: torch.Tensor, k: int, log: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of each row of logits [..., V]: (probabilities, or log-probabilities with log, float32,
+    largest first; ids), as `logits.float().softmax(-1).topk(k)`. A tree draft's expansion: on a GPU two Triton
+    launches (kernels/topk_rows.py) instead of a softmax and a radix select over the vocabulary."""
+    if use_triton(logits) and k <= 16 and logits.shape[-1] >= k and logits.numel():
+        from ..kernels.topk_rows import softmax_topk_rows
+
+        flat = logits.reshape(-1, logits.shape[-1])
+        values, ids = softmax_topk_rows(flat if flat.stride(-1) == 1 else flat.contiguous(), k, log)
+        return values.view(*logits.shape[:-1], k), ids.view(*logits.shape[:-1], k)
+    x = logits.float()
+    return (x.log_softmax(-1) if log else x.softmax(-1)).topk(k, dim=-1)
