@@ -242,13 +242,14 @@ class EagleDraftModel(nn.Module):
             h = self.fc(hidden) if from_target else hidden
             layer = self.midlayer
             x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(h)], dim=-1)
-            h = h + attention(layer.self_attn, x, cos_sin, attend)
-            return h + layer.mlp(layer.post_attention_layernorm(h))
+            # the residual add rides in the norm's launch on a GPU (add_forward)
+            x, h = layer.post_attention_layernorm.add_forward(attention(layer.self_attn, x, cos_sin, attend), h)
+            return h + layer.mlp(x)
         h = self.fc(torch.cat([emb, hidden], dim=-1))
         for layer in self.layers:
             x = h if layer.input_layernorm is None else layer.input_layernorm(h)
-            h = h + attention(layer.self_attn, x, cos_sin, attend)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            x, h = layer.post_attention_layernorm.add_forward(attention(layer.self_attn, x, cos_sin, attend), h)
+            h = h + layer.mlp(x)
         return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
