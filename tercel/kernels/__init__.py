@@ -68,6 +68,7 @@ def small_m_enabled() -> bool:
     return env("TERCEL_SMALL_M") == "1"
 
 
+TOPK_ROWS_MAX_K = 16  # the widest top-k of kernels.topk_rows (wider: torch.topk)
 SMALL_M_ROWS = 32  # the most rows of a fused small-M forward (kernels.gemm_small): 16 drafts x 2 requests
 
 

@@ -16,8 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import TOPK_ROWS_MAX_K as MAX_K
+
 BLOCK = 4096
-MAX_K = 16  # the widest top-k served here; wider falls back to torch
 
 
 @triton.jit

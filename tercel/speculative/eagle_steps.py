@@ -120,10 +120,6 @@ class BackendAttend:
         return self.backend.forward_rope(layer, qk, v, cos_sin, self.batch, self.meta, self.kv)
 
 
-def _attend(backend, batch: ForwardBatch, meta: object, kv: PagedKVCache) -> BackendAttend:
-    return BackendAttend(backend, batch, meta, kv)
-
-
 def _top1(model: EagleDraftModel, logits: torch.Tensor) -> torch.Tensor:
     """The draft logits' top-1 as target ids (the mapping rides in the argmax's launch)."""
     return greedy_tokens(logits, model.draft_to_target if model.maps_vocab else None)
@@ -203,7 +199,7 @@ class EagleDraftLoopStep(_DraftStep):
                               seq_lens=at.seq_lens[s - 1], block_tables=b.block_tables, logits_indices=rows,
                               query_lens=[1] * n, seq_lens_cpu=[p + s for p in b.base_cpu])
             meta = (self.backend.capture_metadata(fb, bs, 1) if graph else self.backend.prepare(fb, bs))
-            h = model(ids, h, at.rope_positions[s - 1], _attend(self.backend, fb, meta, self.kv),
+            h = model(ids, h, at.rope_positions[s - 1], BackendAttend(self.backend, fb, meta, self.kv),
                       from_target=False)
             logits = model.compute_logits(h)
             ids = _top1(model, logits) if pick is None else pick(s, logits)
@@ -268,7 +264,7 @@ class EagleExtendStep(_DraftStep):
                           seq_lens_cpu=b.seq_lens_cpu)
         meta = self.backend.capture_metadata(fb, bs, w) if graph else self.backend.prepare(fb, bs)
         h = self.model(b.ids, b.hidden, b.positions.clamp(max=self.max_position),
-                       _attend(self.backend, fb, meta, self.kv), from_target=True)
+                       BackendAttend(self.backend, fb, meta, self.kv), from_target=True)
         h_last = h[torch.arange(n, device=h.device) * w + b.last]
         logits = self.model.compute_logits(h_last)
         return DraftStateRows(h_last, logits, _top1(self.model, logits))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels import use_triton
+from ..kernels import TOPK_ROWS_MAX_K, use_triton
 
 
 @dataclass(slots=True)
@@ -109,7 +109,7 @@ def top_k_probs(logits: torch.Tensor, k: int, log: bool = False) -> tuple[torch.
     """The k most likely tokens of each row of logits [..., V]: (probabilities, or log-probabilities with log, float32,
     largest first; ids), as `logits.float().softmax(-1).topk(k)`. A tree draft's expansion: on a GPU two Triton
     launches (kernels/topk_rows.py) instead of a softmax and a radix select over the vocabulary."""
-    if use_triton(logits) and k <= 16 and logits.shape[-1] >= k and logits.numel():
+    if use_triton(logits) and k <= TOPK_ROWS_MAX_K and logits.shape[-1] >= k and logits.numel():
         from ..kernels.topk_rows import softmax_topk_rows
 
         flat = logits.reshape(-1, logits.shape[-1])
