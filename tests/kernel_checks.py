@@ -359,6 +359,55 @@ def check_decode_rope(device: str, dtype: torch.dtype) -> None:
             assert int(counters.abs().sum()) == 0, "split counters must be left at zero"
 
 
+def check_rows_rope(device: str, dtype: torch.dtype) -> None:
+    """A causal verify block of t rows per request in one launch (decode_attention_rope rows=t: each row stores
+    its own K/V and reads the block's earlier keys from qk / v) equals rope_store of every row followed by the
+    split-KV kernel over the rows: output, stored K/V, untouched cache elsewhere; counters left at zero."""
+    from tercel.kernels.attention import decode_attention, decode_attention_rope
+    from tercel.kernels.fused import rope_store
+
+    nq, nkv, d, page = 8, 2, 64, 16
+    totals = [5, 17, 100, 64, 250]  # per request, the block's tokens included
+    kc, vc, bt = _paged_case(device, dtype, totals, nq, nkv, d, page, seed=11)
+    g = torch.Generator(device="cpu").manual_seed(12)
+    # (rows per request, splits, window): 3 splits merge in a second launch, the others in the kernel
+    for t, splits, window in ((2, 1, None), (2, 8, 40), (5, 3, None), (5, 8, None), (4, 3, 40)):
+        b = len(totals)
+        r = b * t
+        qkv = torch.randn(r, (nq + 2 * nkv) * d, generator=g).to(device, dtype)
+        qk = qkv[:, :(nq + nkv) * d].view(r, nq + nkv, d)
+        v = qkv[:, (nq + nkv) * d:].view(r, nkv, d)
+        ang = torch.rand(r, d // 2, generator=g) * 6
+        cos = torch.cat([ang.cos(), ang.cos()], -1).to(device, dtype)[:, None, :]
+        sin = torch.cat([ang.sin(), ang.sin()], -1).to(device, dtype)[:, None, :]
+        # row j of request i: position totals[i] - t + j, seeing keys [0, that position]
+        seq = torch.tensor([n - t + j + 1 for n in totals for j in range(t)], device=device)
+        tables = bt.repeat_interleave(t, dim=0)
+        pos = seq - 1
+        loc = tables.gather(1, (pos // page)[:, None])[:, 0] * page + pos % page
+        counters = torch.zeros(r * nkv + 3, dtype=torch.int32, device=device)
+        scale = d ** -0.5
+        kc_ref, vc_ref, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        q = rope_store(qk, v, cos, sin, loc, kc_ref, vc_ref, nq)
+        want = decode_attention(q, kc_ref, vc_ref, tables, seq, page, scale, splits, window=window)
+        merge = splits != 3
+        out = decode_attention_rope(qk, v, cos, sin, loc, kc2, vc2, tables, seq, page, scale, splits,
+                                    counters if merge else None, window=window, merge_in_kernel=merge, rows=t)
+        assert out.shape == want.shape and out.dtype == dtype
+        assert _rel(out, want) < _tol(dtype) / 4, (t, splits, window, _rel(out, want))
+        assert _rel(kc2[loc], kc_ref[loc]) < _tol(dtype) / 4 and torch.equal(vc2, vc_ref), (t, splits)
+        kc2[loc] = kc_ref[loc]
+        assert torch.equal(kc2, kc_ref), "keys written outside out_cache_loc"
+        assert int(counters.abs().sum()) == 0, "split counters must be left at zero"
+    try:
+        decode_attention_rope(qk[:7], v[:7], cos[:7], sin[:7], loc[:7], kc, vc, tables[:7], seq[:7], page,
+                              0.125, 1, None, rows=2)
+    except ValueError as e:
+        assert "rows=2" in str(e), e
+    else:
+        raise AssertionError("7 rows in blocks of 2 must be refused")
+
+
 def check_argmax(device: str, dtype: torch.dtype) -> None:
     """Row argmax equals torch.argmax: vocabularies that are and are not a multiple of the slice width,
     ties inside a slice and across slices (the first index wins), -inf rows, NaN, and bf16 logits."""
@@ -811,7 +860,7 @@ def check_draft_rope_attention(device: str, dtype: torch.dtype) -> None:
 
 
 ALL = [check_race, check_argmax, check_norms, check_rope_store, check_decode, check_extend, check_gemv,
-       check_gemv_fused, check_gemm_small, check_decode_rope, check_tree_draft_attention,
+       check_gemv_fused, check_gemm_small, check_decode_rope, check_rows_rope, check_tree_draft_attention,
        check_dflash_paged_attention, check_chain_accept, check_stream_keys,
        check_sample_filter, check_tree_accept, check_ddtree_beams, check_race_logits,
        check_topk_rows, check_draft_rope_attention]

@@ -1,8 +1,8 @@
 """Attention on the GPU with Tercel's Triton kernels (tercel/kernels/attention.py).
 
-Decode batches use the split-KV decode kernel; everything else (prefill chunks, verify blocks,
-trees with custom masks) the extend kernel. RoPE and the K/V store are fused into one kernel
-(forward_rope); for decode batches RoPE and the store run inside the split-KV kernel itself
+Decode batches and causal verify blocks (as decode rows) use the split-KV decode kernel; everything else
+(prefill chunks, trees with custom masks) the extend kernel. RoPE and the K/V store are fused into one kernel
+(forward_rope); for decode batches and verify rows RoPE and the store run inside the split-KV kernel itself
 (decode_attention_rope: two launches per layer instead of three; TERCEL_DECODE_ATTN picks, see
 tercel/kernels/__init__.py), and the kernel pulls the o_proj weight into L2 while it runs. Metadata
 is a handful of device tensors, so capture_metadata is cheap and graph-safe, and replays need no
@@ -38,7 +38,7 @@ class TritonAttentionMetadata:
     max_q_len: int = 0
     masks: torch.Tensor | None = None  # flat uint8, request b's [q, q] mask at mask_offsets[b] (-1: causal)
     mask_offsets: torch.Tensor | None = None
-    rows: bool = False  # decode kernel over the rows of a causal verify: K/V stored first (rope_store)
+    rows: int = 0  # > 0: a causal verify as decode rows, this many per request (decode_attention_rope rows=)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -72,7 +72,7 @@ class TritonAttentionBackend(AttentionBackend):
         step = torch.arange(t, device=batch.seq_lens.device)
         seq = (batch.seq_lens[:, None] - (t - 1) + step[None, :]).reshape(-1)
         splits = decode_splits(b * t, self.num_kv_heads, self.num_sms, decode_max_splits())
-        return TritonAttentionMetadata(True, tables, seq, block_size, splits, rows=True)
+        return TritonAttentionMetadata(True, tables, seq, block_size, splits, rows=t)
 
     def prepare(self, batch: ForwardBatch, block_size: int) -> TritonAttentionMetadata:
         if batch.is_decode:
@@ -128,8 +128,9 @@ class TritonAttentionBackend(AttentionBackend):
         """prefetch: the weight that reads this output (o_proj), pulled into L2 while decode attention runs."""
         # weight-bound batches only: a large batch's attention has its own bytes to move
         prefetch = prefetch if meta.decode and qk.shape[0] <= PREFETCH_MAX_BATCH and l2_prefetch_enabled() else None
-        # rows of one request read each other's K/V: all of it stored (rope_store) before any row attends
-        mode = decode_attention_mode() if meta.decode and not meta.rows and fused_decode_enabled() else "split"
+        # the rows of a verify block read the block's earlier keys from qk / v in the kernel (never another
+        # row's store), so they take the decode kernel with RoPE and the store inside too
+        mode = decode_attention_mode() if meta.decode and fused_decode_enabled() else "split"
         if mode == "one" and meta.num_splits > 1 and self.split_counters(qk.shape[0], qk.device) is None:
             mode = "rope"
         if mode != "split":
@@ -173,5 +174,5 @@ def attend_rope(backend: TritonAttentionBackend, layer: int, qk: torch.Tensor, v
     out = decode_attention_rope(qk, v, cos_sin[0], cos_sin[1], out_cache_loc, kv.k[layer], kv.v[layer],
                                 meta.block_tables, meta.seq_lens, meta.page_size, backend.scale, meta.num_splits,
                                 counters, window=backend.sliding_window, merge_in_kernel=merge_in_kernel,
-                                prefetch=prefetch)
+                                prefetch=prefetch, rows=max(1, meta.rows))
     return out.reshape(qk.shape[0], -1)

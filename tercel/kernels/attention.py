@@ -312,6 +312,44 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @triton.jit
+def _attend_new_keys(q, m_i, l_i, acc, QK, V, COS, SIN, r0, kvh, base, lo, hi, stride_qkt, stride_qkh, stride_vt,
+                     stride_vh, stride_ct, stride_st, qk_scale, k_dtype, v_dtype, NQ: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, T_PAD: tl.constexpr, IEEE: tl.constexpr):
+    """The online softmax of _attend_keys continued over a request's new keys at positions [lo, hi) (base:
+    the position of its first new token, row r0), rotated and rounded from QK / V as the cache would hold them:
+    the rows of a verify block are stored by their own programs, so none reads another's from the cache."""
+    i = tl.arange(0, T_PAD)
+    pos = base + i
+    valid = (pos >= lo) & (pos < hi)
+    rows = (r0 + i).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    partner = (d + HEAD_DIM // 2) % HEAD_DIM
+    sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
+    vm = valid[:, None]
+    kp = QK + rows[:, None] * stride_qkt + (NQ + kvh) * stride_qkh
+    kx = tl.load(kp + d[None, :], mask=vm, other=0.0).to(tl.float32)
+    kxp = tl.load(kp + partner[None, :], mask=vm, other=0.0).to(tl.float32)
+    c = tl.load(COS + rows[:, None] * stride_ct + d[None, :], mask=vm, other=0.0).to(tl.float32)
+    sn = tl.load(SIN + rows[:, None] * stride_st + d[None, :], mask=vm, other=0.0).to(tl.float32)
+    k = (kx * c + sign[None, :] * kxp * sn).to(k_dtype)
+    v = tl.load(V + rows[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=vm, other=0.0).to(v_dtype)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_rope_kernel(QK, V, COS, SIN, LOC, KC, VC, BT, SL, O, PO, PL, CNT, PF, pf_bytes,
                         stride_qkt, stride_qkh, stride_vt, stride_vh, stride_ct, stride_st,
                         stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
@@ -320,7 +358,8 @@ def _decode_rope_kernel(QK, V, COS, SIN, LOC, KC, VC, BT, SL, O, PO, PL, CNT, PF
                         NQ: tl.constexpr, NKV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                         SPLITS_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr,
-                        PREFETCH: tl.constexpr, GROUP_M: tl.constexpr):
+                        PREFETCH: tl.constexpr, GROUP_M: tl.constexpr, ROWS: tl.constexpr,
+                        T_PAD: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -343,14 +382,15 @@ def _decode_rope_kernel(QK, V, COS, SIN, LOC, KC, VC, BT, SL, O, PO, PL, CNT, PF
     sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
     c = tl.load(COS + b * stride_ct + d).to(tl.float32)
     sn = tl.load(SIN + b * stride_st + d).to(tl.float32)
-    if split == (seq_len - 1) // per:  # this split's keys end with the new token: rotate and store it first
+    if split == (seq_len - 1) // per:  # this split's keys end with the row's new token: rotate and store it
         kp = QK + b * stride_qkt + (NQ + kvh) * stride_qkh
         kx = tl.load(kp + d).to(tl.float32)
         kxp = tl.load(kp + partner).to(tl.float32)
         loc = tl.load(LOC + b).to(tl.int64)
         tl.store(KC + loc * stride_kcs + kvh * stride_kch + d, (kx * c + sign * kxp * sn).to(KC.dtype.element_ty))
         tl.store(VC + loc * stride_vcs + kvh * stride_vch + d, tl.load(V + b * stride_vt + kvh * stride_vh + d))
-    tl.debug_barrier()  # the new key and value are read back below, by other threads of this program
+    if ROWS == 1:
+        tl.debug_barrier()  # the new key and value are read back below, by other threads of this program
     g = tl.arange(0, GROUP_PAD)
     gm = g < GROUP
     heads = kvh * GROUP + g
@@ -358,8 +398,20 @@ def _decode_rope_kernel(QK, V, COS, SIN, LOC, KC, VC, BT, SL, O, PO, PL, CNT, PF
     x = tl.load(qp + d[None, :], mask=gm[:, None], other=0.0)
     xp = tl.load(qp + partner[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
     q = (x.to(tl.float32) * c[None, :] + sign[None, :] * xp * sn[None, :]).to(x.dtype)
-    m_i, l_i, acc = _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stride_vcs, stride_vch,
-                                 stride_bt, qk_scale, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, IEEE)
+    if ROWS == 1:
+        m_i, l_i, acc = _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stride_vcs,
+                                     stride_vch, stride_bt, qk_scale, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, IEEE)
+    else:  # row j of a verify block: the cache up to the block's first position, then the block's keys 0..j
+        j = (b % ROWS).to(tl.int32)
+        base = seq_len - 1 - j
+        m_i, l_i, acc = _attend_keys(q, KC, VC, BT, b, kvh, start, tl.minimum(end, base), stride_kcs, stride_kch,
+                                     stride_vcs, stride_vch, stride_bt, qk_scale, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N,
+                                     IEEE)
+        if tl.maximum(start, base) < end:
+            m_i, l_i, acc = _attend_new_keys(q, m_i, l_i, acc, QK, V, COS, SIN, b - j, kvh, base, start, end,
+                                             stride_qkt, stride_qkh, stride_vt, stride_vh, stride_ct, stride_st,
+                                             qk_scale, KC.dtype.element_ty, VC.dtype.element_ty, NQ, HEAD_DIM, T_PAD,
+                                             IEEE)
     if PDL >= 2:  # the keys and values are read: the next kernel (the o_proj GEMV) may start streaming
         tl.extra.cuda.gdc_launch_dependents()
     _store_split(m_i, l_i, acc, O, PO, PL, b, heads, gm, d, split, stride_ob, stride_oh, stride_pob, stride_poh,
@@ -392,14 +444,20 @@ def decode_attention_rope(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, 
                           out_cache_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int, scale: float,
                           num_splits: int, counters: torch.Tensor | None, window: int | None = None,
-                          merge_in_kernel: bool = True, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                          merge_in_kernel: bool = True, prefetch: torch.Tensor | None = None,
+                          rows: int = 1) -> torch.Tensor:
     """Decode (one query per request) in ONE launch: RoPE on q and the new k, k and v stored at
     out_cache_loc, split-KV attention over the cache, and the merge of the splits, done by the last split
     of each (request, KV head) to finish. qk: [B, H + Hkv, D], v: [B, Hkv, D] (views into the qkv output);
     cos/sin: [B, D] or [B, 1, D]; counters: int32 zeros, at least B * Hkv of them (needed when
     num_splits > 1; each launch leaves them zero). merge_in_kernel=False: a second launch merges instead (no
-    counters). prefetch: as decode_attention. Same result as rope_store + decode_attention. Returns [B, H, D]."""
+    counters). prefetch: as decode_attention. Same result as rope_store + decode_attention. Returns [B, H, D].
+    rows > 1: a causal verify block as decode rows (the backend's rows metadata): B = requests x rows, row j of
+    a request at seq_lens[row] = its first new position + j + 1; each row stores its own key and value and reads
+    the block's earlier ones from qk / v, so no row waits for another's store (no rope_store launch before)."""
     bsz, heads_all, dim = qk.shape
+    if rows < 1 or bsz % rows:
+        raise ValueError(f"decode_attention_rope: {bsz} query rows do not split into blocks of rows={rows}.")
     kv_heads = k_cache.shape[1]
     heads = heads_all - kv_heads
     group = heads // kv_heads
@@ -435,7 +493,8 @@ def decode_attention_rope(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, 
         NQ=heads, NKV=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         PAGE=page_size, BLOCK_N=64 if dim <= 128 else 32, NUM_SPLITS=num_splits,
         SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), IEEE=qk.dtype == torch.float32, PDL=pdl,
-        MERGE=merge_in_kernel, PREFETCH=pf_on, GROUP_M=max(2, triton.next_power_of_2(group)), num_warps=4,
+        MERGE=merge_in_kernel, PREFETCH=pf_on, GROUP_M=max(2, triton.next_power_of_2(group)), ROWS=rows,
+        T_PAD=max(16, triton.next_power_of_2(rows)), num_warps=4,
         num_stages=2, **(dict(launch_pdl=True) if pdl else {}))
     if num_splits > 1 and not merge_in_kernel:
         _decode_merge_kernel[(bsz, heads)](
