@@ -366,12 +366,14 @@ def check_rows_rope(device: str, dtype: torch.dtype) -> None:
     from tercel.kernels.attention import decode_attention, decode_attention_rope
     from tercel.kernels.fused import rope_store
 
-    nq, nkv, d, page = 8, 2, 64, 16
+    nq, nkv, page = 8, 2, 16
     totals = [5, 17, 100, 64, 250]  # per request, the block's tokens included
-    kc, vc, bt = _paged_case(device, dtype, totals, nq, nkv, d, page, seed=11)
     g = torch.Generator(device="cpu").manual_seed(12)
-    # (rows per request, splits, window): 3 splits merge in a second launch, the others in the kernel
-    for t, splits, window in ((2, 1, None), (2, 8, 40), (5, 3, None), (5, 8, None), (4, 3, 40)):
+    # (rows per request, splits, window, head_dim): 3 splits merge in a second launch, the others in the kernel;
+    # head_dim 128 launches 8 warps
+    for t, splits, window, d in ((2, 1, None, 64), (2, 8, 40, 64), (5, 3, None, 64), (5, 8, None, 64),
+                                 (4, 3, 40, 64), (3, 8, None, 128)):
+        kc, vc, bt = _paged_case(device, dtype, totals, nq, nkv, d, page, seed=11)
         b = len(totals)
         r = b * t
         qkv = torch.randn(r, (nq + 2 * nkv) * d, generator=g).to(device, dtype)

@@ -484,6 +484,7 @@ def decode_attention_rope(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, 
         counters = seq_lens  # unused
     pdl = pdl_mode(qk)
     pf, pf_bytes, pf_on = _prefetch_args(prefetch, qk)
+    t_pad = max(16, triton.next_power_of_2(rows))  # the block's keys as one tile (tl.dot: 16 at least)
     _decode_rope_kernel[(bsz, kv_heads, num_splits)](
         qk, v, cos2, sin2, out_cache_loc, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_l, counters,
         pf, pf_bytes,
@@ -494,7 +495,7 @@ def decode_attention_rope(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, 
         PAGE=page_size, BLOCK_N=64 if dim <= 128 else 32, NUM_SPLITS=num_splits,
         SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), IEEE=qk.dtype == torch.float32, PDL=pdl,
         MERGE=merge_in_kernel, PREFETCH=pf_on, GROUP_M=max(2, triton.next_power_of_2(group)), ROWS=rows,
-        T_PAD=max(16, triton.next_power_of_2(rows)), num_warps=4,
+        T_PAD=t_pad, num_warps=8 if rows > 1 and (dim >= 128 or t_pad >= 64) else 4,  # rows: no register spills
         num_stages=2, **(dict(launch_pdl=True) if pdl else {}))
     if num_splits > 1 and not merge_in_kernel:
         _decode_merge_kernel[(bsz, heads)](
