@@ -36,6 +36,10 @@ OVERRIDES: dict[str, EnvOverride] = {
     "TERCEL_DECODE_ATTN": EnvOverride(
         "rope", "decode attention variant: rope (RoPE + K/V store in the split kernel, merge kernel after), one "
                 "(the merge in the same launch, by the last split), split (a separate rope_store kernel before)"),
+    "TERCEL_VERIFY_ATTN": EnvOverride(
+        "split", "verify rows (a causal block of t queries per request as decode rows): split (rope_store, then the "
+                 "split-KV kernel), rope (RoPE and the K/V store in the split kernel, the block's earlier keys read "
+                 "from qk / v: one launch fewer per layer; opt-in until measured on a GPU)"),
     "TERCEL_L2_PREFETCH": EnvOverride(
         "0", "1: decode attention pulls the o_proj weight into L2 while it runs (measured slower on the H200)"),
     "TERCEL_DECODE_MAX_SPLITS": EnvOverride(

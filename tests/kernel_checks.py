@@ -820,7 +820,8 @@ def check_topk_rows(device: str, dtype: torch.dtype) -> None:
 def check_draft_rope_attention(device: str, dtype: torch.dtype) -> None:
     """An EAGLE-3 draft layer through the Triton backend with RoPE and the K/V store in the backend's kernels
     (eagle_steps.BackendAttend.rope: one-row decode batches in the split-KV kernel, several rows through
-    rope_store) gives the unfused path (apply_rope, then backend.forward): the same hidden states and draft KV."""
+    rope_store or, with TERCEL_VERIFY_ATTN=rope, the split-KV kernel's verify rows) gives the unfused path
+    (apply_rope, then backend.forward): the same hidden states and draft KV."""
     import tempfile
     from pathlib import Path
 
@@ -843,7 +844,10 @@ def check_draft_rope_attention(device: str, dtype: torch.dtype) -> None:
     lc = draft.config.layers
     backend = TritonAttentionBackend(lc.num_heads, lc.num_kv_heads, lc.head_dim, None)
     assert backend.fuses_rope
-    for rows in (1, 3):  # decode rows (RoPE in the split kernel), then verify-like rows (rope_store)
+    # decode rows (RoPE in the split kernel), then verify-like rows: rope_store before the split kernel, or
+    # (TERCEL_VERIFY_ATTN=rope) in it
+    for rows, verify_attn in ((1, "split"), (3, "split"), (3, "rope")):
+        os.environ["TERCEL_VERIFY_ATTN"] = verify_attn
         kv = PagedKVCache(draft.kv_spec(4, dtype), 64, torch.device(device))
         kv.k.copy_(torch.randn(kv.k.shape, generator=g))
         kv.v.copy_(torch.randn(kv.v.shape, generator=g))
@@ -857,8 +861,9 @@ def check_draft_rope_attention(device: str, dtype: torch.dtype) -> None:
         plain.rope = None
         got = draft(batch.input_ids, hidden, batch.positions, fused, from_target=True)
         want = draft(batch.input_ids, hidden, batch.positions, plain, from_target=True)
-        assert _rel(got, want) < _tol(dtype), (rows, _rel(got, want))
+        assert _rel(got, want) < _tol(dtype), (rows, verify_attn, _rel(got, want))
         assert _rel(kv.k, kv_ref.k) < _tol(dtype) / 4 and _rel(kv.v, kv_ref.v) < _tol(dtype) / 4, rows
+    os.environ.pop("TERCEL_VERIFY_ATTN")
 
 
 ALL = [check_race, check_argmax, check_norms, check_rope_store, check_decode, check_extend, check_gemv,

@@ -64,3 +64,13 @@ def test_pdl_mode_reads_the_switch(monkeypatch):
 
     with pytest.raises(ValueError, match="TERCEL_PDL='sometimes'.*early, late, late_norm"):
         kernels.pdl_mode(FakeCuda())
+
+
+def test_verify_attention_mode_reads_the_switch(monkeypatch):
+    monkeypatch.delenv("TERCEL_VERIFY_ATTN", raising=False)
+    assert kernels.verify_attention_mode() == "split"  # the default until a GPU run measures the one launch
+    monkeypatch.setenv("TERCEL_VERIFY_ATTN", "rope")
+    assert kernels.verify_attention_mode() == "rope"
+    monkeypatch.setenv("TERCEL_VERIFY_ATTN", "one")
+    with pytest.raises(ValueError, match="TERCEL_VERIFY_ATTN='one': use one of split, rope"):
+        kernels.verify_attention_mode()

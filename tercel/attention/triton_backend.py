@@ -2,9 +2,10 @@
 
 Decode batches and causal verify blocks (as decode rows) use the split-KV decode kernel; everything else
 (prefill chunks, trees with custom masks) the extend kernel. RoPE and the K/V store are fused into one kernel
-(forward_rope); for decode batches and verify rows RoPE and the store run inside the split-KV kernel itself
+(forward_rope); for decode batches RoPE and the store run inside the split-KV kernel itself
 (decode_attention_rope: two launches per layer instead of three; TERCEL_DECODE_ATTN picks, see
-tercel/kernels/__init__.py), and the kernel pulls the o_proj weight into L2 while it runs. Metadata
+tercel/kernels/__init__.py; verify rows too with TERCEL_VERIFY_ATTN=rope), and the kernel pulls the o_proj
+weight into L2 while it runs. Metadata
 is a handful of device tensors, so capture_metadata is cheap and graph-safe, and replays need no
 prepare_replay.
 """
@@ -16,7 +17,13 @@ import torch
 
 from ..forward_batch import ForwardBatch
 from ..graphs.breakable import eager_break
-from ..kernels import decode_attention_mode, decode_max_splits, fused_decode_enabled, l2_prefetch_enabled
+from ..kernels import (
+    decode_attention_mode,
+    decode_max_splits,
+    fused_decode_enabled,
+    l2_prefetch_enabled,
+    verify_attention_mode,
+)
 from ..kernels.attention import decode_attention, decode_attention_rope, decode_splits, extend_attention
 from ..kernels.fused import rope_store
 from ..kv import PagedKVCache
@@ -128,9 +135,10 @@ class TritonAttentionBackend(AttentionBackend):
         """prefetch: the weight that reads this output (o_proj), pulled into L2 while decode attention runs."""
         # weight-bound batches only: a large batch's attention has its own bytes to move
         prefetch = prefetch if meta.decode and qk.shape[0] <= PREFETCH_MAX_BATCH and l2_prefetch_enabled() else None
-        # the rows of a verify block read the block's earlier keys from qk / v in the kernel (never another
-        # row's store), so they take the decode kernel with RoPE and the store inside too
-        mode = decode_attention_mode() if meta.decode and fused_decode_enabled() else "split"
+        # verify rows (TERCEL_VERIFY_ATTN=rope) read the block's earlier keys from qk / v in the kernel, never
+        # another row's store, so they can take the decode kernel with RoPE and the store inside too
+        rope_ok = meta.decode and fused_decode_enabled() and (not meta.rows or verify_attention_mode() == "rope")
+        mode = decode_attention_mode() if rope_ok else "split"
         if mode == "one" and meta.num_splits > 1 and self.split_counters(qk.shape[0], qk.device) is None:
             mode = "rope"
         if mode != "split":

@@ -10,6 +10,9 @@ tercel.dev_overrides:
   TERCEL_DECODE_ATTN      decode attention: rope (default: RoPE + K/V store in the split kernel, merge
                           kernel after), one (the merge in the same launch, by the last split), split (the
                           separate rope_store kernel before)
+  TERCEL_VERIFY_ATTN      verify rows (causal blocks as decode rows): split (default: rope_store, then the
+                          split kernel), rope (RoPE + K/V store in the split kernel, no rope_store launch; not
+                          yet measured on a GPU, so opt-in)
   TERCEL_L2_PREFETCH=1    decode attention pulls the o_proj weight into L2 while it runs (measured slower
                           on the H200: off by default)
   TERCEL_DECODE_MAX_SPLITS  most split-KV programs per (request, KV head) in decode attention (default 16)
@@ -87,6 +90,18 @@ def decode_attention_mode() -> str:
     mode = env("TERCEL_DECODE_ATTN")
     if mode not in DECODE_ATTN_MODES:
         raise ValueError(f"TERCEL_DECODE_ATTN={mode!r}: use one of {', '.join(DECODE_ATTN_MODES)}.")
+    return mode
+
+
+VERIFY_ATTN_MODES = ("split", "rope")
+
+
+def verify_attention_mode() -> str:
+    """How a causal verify block's rows attend: split (rope_store, then the split-KV kernel) or rope (one launch:
+    each row stores its own K/V, the block's earlier keys read from qk / v; TERCEL_DECODE_ATTN's merge choice)."""
+    mode = env("TERCEL_VERIFY_ATTN")
+    if mode not in VERIFY_ATTN_MODES:
+        raise ValueError(f"TERCEL_VERIFY_ATTN={mode!r}: use one of {', '.join(VERIFY_ATTN_MODES)}.")
     return mode
 
 
