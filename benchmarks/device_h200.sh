@@ -7,7 +7,8 @@
 #   STEP=profile        benchmarks/step_profile.py: kernels and device µs per step and per phase, every algorithm
 #   STEP=gaps           benchmarks/batch_gaps.py: GPU busy / idle per step of plain and adaptive engines at CONC requests
 #   STEP=offline        `tercel bench offline`: plain and every algorithm (adaptive), interleaved rounds, HF peers at bs 1
-#   STEP=memcheck       compute-sanitizer memcheck over benchmarks/spec_memcheck.py (all five algorithms)
+#   STEP=memcheck       compute-sanitizer memcheck over benchmarks/spec_memcheck.py (all five algorithms; RUNS=DDTREE,..
+#                       some of them)
 #   STEP=probe          benchmarks/verify_probe.py: the small-M tuner's choice per role and row bucket (row-loop,
 #                       tl.dot and broadcast kernels against cuBLAS + the unfused ops) and verify steps fused / unfused
 #   STEP=serve          `tercel serve` (EAGLE-3, adaptive by default, then plain) under `tercel bench serve` at RATES
@@ -24,7 +25,8 @@ if [ -n "${N:-}" ]; then cp .carry/smol-$N/* /tmp/smol/; fi
 [ "${STEP}" = part ] && { nvidia-smi --query-gpu=name,memory.used --format=csv; exit 0; }
 if [ "${STEP}" = memcheck ]; then  # no model needed: random weights (carry .carry/whl for transformers' gguf)
   PYTHONPATH=. timeout ${TEST_S:-500} compute-sanitizer --tool memcheck --error-exitcode 9 python3 \
-    benchmarks/spec_memcheck.py 2>&1 | tee $OUT/spec_memcheck_${TERCEL_COMMIT}.log | grep -v "^Writing" | tail -20
+    benchmarks/spec_memcheck.py ${RUNS:+--runs $RUNS} 2>&1 | tee $OUT/spec_memcheck_${TERCEL_COMMIT}.log | grep -v "^Writing" \
+    | tail -20
   exit 0
 fi
 if [ ! -f $M ]; then

@@ -4,7 +4,8 @@ here), a random EAGLE-3 head and a random DFlash draft, bf16 on the GPU with eve
 step), NGRAM / EAGLE3 chain (greedy and T = 1) / EAGLE3 tree / DFLASH / DDTREE at batch 1 and 4, with a request
 aborted mid-run. Prints one line per run; memcheck's summary says whether any access was bad.
 
-Usage: PYTHONPATH=. compute-sanitizer --tool memcheck python benchmarks/spec_memcheck.py
+Usage: PYTHONPATH=. compute-sanitizer --tool memcheck python benchmarks/spec_memcheck.py [--runs DDTREE,DFLASH]
+(--runs: some of the runs, by name; memcheck slows a run ~100x, so a session can finish the ones a cut call left)
 """
 from __future__ import annotations
 
@@ -49,6 +50,12 @@ def main() -> None:
             "DFLASH": (dict(speculative_algorithm="DFLASH", speculative_draft_model_path=str(dflash)), greedy),
             "DDTREE": (dict(speculative_algorithm="DDTREE", speculative_draft_model_path=str(dflash),
                             speculative_ddtree_budget=6), greedy)}
+    if "--runs" in sys.argv:
+        wanted = sys.argv[sys.argv.index("--runs") + 1].split(",")
+        bad = [w for w in wanted if w not in runs]
+        if bad:
+            raise SystemExit(f"--runs: unknown {bad}; choose from {', '.join(runs)}")
+        runs = {k: v for k, v in runs.items() if k in wanted}
     prompts = [[(7 * i + j) % 500 + 1 for j in range(5 + 9 * i)] for i in range(4)]
     for name, (kw, params) in runs.items():
         eng = LLMEngine(loaded=base.engine.loaded, max_model_len=256, kv_cache_memory=64 << 20, cuda_graph_max_bs=4,

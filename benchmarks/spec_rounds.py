@@ -8,6 +8,11 @@ fixed width (`speculative_adaptive="off"`) and adaptive (the default). `--shape 
 Llama-3.1-8B shape with random weights and a random one-layer EAGLE-3 head (every draft rejected): plain,
 fixed-width chain and adaptive chain.
 
+A configuration may carry developer switches (tercel/dev_overrides.py) for its own engine, set while it builds,
+warms up and runs: `--configs plain,eagle3-chain,eagle3-chain@TERCEL_VERIFY_ATTN=rope` measures a kernel variant
+beside the default in the same rounds. (Switches read while the shared weights are tuned, TERCEL_SMALL_M, do
+not separate that way.)
+
 Usage: PYTHONPATH=. python benchmarks/spec_rounds.py --model $M [--rounds 5] [--tokens 256]
        [--concurrency 1,16,64] [--configs ...] [--shape llama8b] --out spec_rounds_smollm2_h200.json
 """
@@ -22,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copy_bandwidth, environment  # noqa: E402
+from common import copy_bandwidth, environment, split_config, switches  # noqa: E402
 
 from tercel.speculative.config import DEFAULT_EAGLE3_TOKEN_MAP  # noqa: E402
 
@@ -49,6 +54,16 @@ CONFIGS = {  # name -> (engine keywords, temperature)
     "eagle3-chain-adaptive-t1": (dict(E3), 1.0),
     "ngram-adaptive-t1": (dict(speculative_algorithm="NGRAM"), 1.0),
 }
+
+
+def config(name: str) -> tuple[dict, float, dict]:
+    """(engine keywords, temperature, developer switches) of a configuration name: one of CONFIGS, optionally
+    with switches set for its engine, e.g. eagle3-chain@TERCEL_VERIFY_ATTN=rope beside eagle3-chain."""
+    base, env = split_config(name)
+    if base not in CONFIGS:
+        raise SystemExit(f"--configs: unknown {base!r}; choose from {', '.join(CONFIGS)} (optionally @VAR=VALUE)")
+    kw, temp = CONFIGS[base]
+    return kw, temp, env
 
 
 def _sync() -> None:
@@ -95,21 +110,22 @@ def build(base, names: list[str], extra: dict, device: str) -> dict:
 
     out = {}
     for name in names:
-        kw, _ = CONFIGS[name]
+        kw, _, env = config(name)
         algo = kw.get("speculative_algorithm")
         if algo in ("EAGLE3", "DFLASH", "DDTREE"):  # the bundled drafts, named (the GGUF may not be the default's)
             kw = dict(kw, speculative_draft_model_path=str(DEFAULT_EAGLE3_DRAFT if algo == "EAGLE3"
                                                            else DEFAULT_DFLASH_DRAFT))
         t = time.perf_counter()
-        out[name] = LLM(loaded=base.engine.loaded, dtype=base.engine.dtype, device=device, progress=False,
-                        max_model_len=base.engine.config.max_model_len, **extra, **kw)
+        with switches(env):
+            out[name] = LLM(loaded=base.engine.loaded, dtype=base.engine.dtype, device=device, progress=False,
+                            max_model_len=base.engine.config.max_model_len, **extra, **kw)
         print(f"built {name} in {time.perf_counter() - t:.1f} s", flush=True)
     return out
 
 
 def reference(name: str, names: list[str]) -> str | None:
     """The plain configuration a configuration is paired with (same temperature), if loaded."""
-    ref = "plain-t1" if CONFIGS[name][1] else "plain"
+    ref = "plain-t1" if config(name)[1] else "plain"
     return ref if ref in names and ref != name else None
 
 
@@ -125,14 +141,15 @@ def rounds(llms: dict, convs_by_c: dict, rounds_n: int, tokens_by_c: dict, resul
             for name in order:
                 if name in refs:
                     continue
-                _, temp = CONFIGS[name]
+                _, temp, env = config(name)
                 ref = reference(name, names)
                 paired = None
                 if ref is not None:
-                    base = run_point(llms[ref], convs, c, tokens_by_c[c], CONFIGS[ref][1])
+                    base = run_point(llms[ref], convs, c, tokens_by_c[c], config(ref)[1])
                     results.setdefault(ref, {}).setdefault(str(c), []).append(base)
                     paired = base["tok_s"]
-                point = run_point(llms[name], convs, c, tokens_by_c[c], temp)
+                with switches(env):
+                    point = run_point(llms[name], convs, c, tokens_by_c[c], temp)
                 point["paired_plain_tok_s"] = paired
                 results.setdefault(name, {}).setdefault(str(c), []).append(point)
                 print(f"round {r} c={c} {name}: {point['tok_s']:.0f} tok/s"
@@ -146,7 +163,7 @@ def summarize(results: dict) -> dict:
     temperature (plain-t1 for T = 1 configs) and to plain greedy."""
     table = {}
     for name, by_c in results.items():
-        temp = CONFIGS[name][1]
+        temp = config(name)[1]
         ref = "plain-t1" if temp and "plain-t1" in results else "plain"
         for c, points in by_c.items():
             row = dict(tok_s=round(statistics.median(p["tok_s"] for p in points), 1))
@@ -182,6 +199,9 @@ def main() -> None:
     ap.add_argument("--kv-bytes", type=int, default=2 << 30, help="KV pool per engine")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    for n in args.configs.split(","):
+        if n:
+            config(n)  # an unknown name or switch stops here, before anything loads
 
     import torch
 
@@ -218,8 +238,10 @@ def main() -> None:
     # graphs captured at the measured batch sizes only (each engine captures every step kind per bucket)
     llms = build(base, names, dict(kv_cache_memory=args.kv_bytes, cuda_graph_bs=sorted(set(cs))), args.device)
     for name, llm in llms.items():  # warm-up at every concurrency: allocator, first shapes, and (adaptive) the
-        for c in cs:  # cost model's per-batch-size measurements, which a serving engine makes once in its life
-            run_point(llm, convs_by_c[c][:c], c, 32, CONFIGS[name][1])
+        _, temp, env = config(name)  # cost model's per-batch-size measurements, which a serving engine makes once
+        with switches(env):  # in its life
+            for c in cs:
+                run_point(llm, convs_by_c[c][:c], c, 32, temp)
     rounds(llms, convs_by_c, args.rounds, tokens_by_c, res["results"], write)
     write()
     print(json.dumps(res["summary"], indent=1), flush=True)

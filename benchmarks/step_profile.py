@@ -9,6 +9,9 @@ chat prompt. For each configuration:
   extend), on an engine with the chained step off (TERCEL_SPEC_CHAIN=0), so each phase has its own boundary;
   the chained step's kernels are the first part's.
 
+A configuration may name developer switches for its engine (tercel/dev_overrides.py), set while it builds and
+runs: `--configs eagle3-chain,eagle3-chain@TERCEL_VERIFY_ATTN=rope` profiles a kernel variant beside the default.
+
 Usage: PYTHONPATH=. python benchmarks/step_profile.py --model $M [--tokens 128] [--configs plain,eagle3-chain,...]
        --out benchmarks/results/step_profile_smollm2_h200_<commit>.json
 """
@@ -22,7 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import environment  # noqa: E402
+from common import environment, split_config, switches  # noqa: E402
 
 CONFIGS = {  # name -> engine keywords (fixed width: the profile is of one step shape)
     "plain": {},
@@ -41,7 +44,7 @@ SAMPLED = dict(temperature=1.0, top_p=0.95, seed=7)
 def _params(name: str, tokens: int):
     from tercel import SamplingParams
 
-    sampling = SAMPLED if name.endswith("-t1") else dict(temperature=0)
+    sampling = SAMPLED if split_config(name)[0].endswith("-t1") else dict(temperature=0)
     return SamplingParams(max_tokens=tokens, ignore_eos=True, **sampling)
 _NOT_KERNELS = ("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")
 
@@ -56,12 +59,13 @@ def _engine(base, name: str, device: str, chained: bool):
         os.environ["TERCEL_SPEC_CHAIN"] = "0"  # read while the engine builds
     try:
         llm = LLM.__new__(LLM)
-        algo = CONFIGS[name].get("speculative_algorithm")
+        kw = CONFIGS[split_config(name)[0]]
+        algo = kw.get("speculative_algorithm")
         drafts = {"EAGLE3": DEFAULT_EAGLE3_DRAFT, "DFLASH": DEFAULT_DFLASH_DRAFT, "DDTREE": DEFAULT_DFLASH_DRAFT}
         draft = str(drafts[algo]) if algo in drafts else None  # the bundled drafts, whatever GGUF path --model names
         llm.engine = LLMEngine(loaded=base.engine.loaded, device=device, dtype=base.engine.dtype,
                                speculative_adaptive="off", kv_cache_memory=1 << 30,
-                               speculative_draft_model_path=draft, **CONFIGS[name])
+                               speculative_draft_model_path=draft, **kw)
     finally:
         if saved is None:
             os.environ.pop("TERCEL_SPEC_CHAIN", None)
@@ -135,9 +139,10 @@ def main() -> None:
     from tercel.train.data import EVAL_CHAT_PROMPTS
 
     names = args.configs.split(",")
-    bad = [n for n in names if n not in CONFIGS]
+    bad = [n for n in names if split_config(n)[0] not in CONFIGS]
     if bad:
-        raise SystemExit(f"--configs: unknown {bad}; choose from {list(CONFIGS)}")
+        raise SystemExit(f"--configs: unknown {bad}; choose from {list(CONFIGS)} (optionally @VAR=VALUE: a "
+                         "developer switch for that engine, e.g. eagle3-chain@TERCEL_VERIFY_ATTN=rope)")
     base = LLM(args.model, device=args.device, dtype="auto", progress=False, kv_cache_memory=1 << 30)
     prompt = base.tokenizer.apply_chat_template([{"role": "user", "content": EVAL_CHAT_PROMPTS[0]}])
     res: dict = {"benchmark": "step profile per algorithm: kernels and device µs per step (torch.profiler), "
@@ -150,18 +155,20 @@ def main() -> None:
         for chained in (True, False):
             if not chained and name.startswith("plain"):
                 continue
-            llm = _engine(base, name, args.device, chained)
-            for _ in range(2):
-                llm.generate([prompt], _params(name, args.tokens))  # captures, JIT, clocks
-            if chained:
-                entry["kernels"] = profile_kernels(llm, prompt, args.tokens, name)
-                spec = llm.engine.spec
-                if spec is not None:
-                    s = llm.engine.spec_stats()
-                    entry["accept_length"] = round((s.accepted_tokens + s.verify_steps) / max(1, s.verify_steps), 3)
-            else:
-                entry["phases_unchained"] = profile_phases(llm, prompt, args.tokens, name)
-            llm.engine.shutdown()
+            with switches(split_config(name)[1]):  # the engine's build, captures and runs see its switches
+                llm = _engine(base, name, args.device, chained)
+                for _ in range(2):
+                    llm.generate([prompt], _params(name, args.tokens))  # captures, JIT, clocks
+                if chained:
+                    entry["kernels"] = profile_kernels(llm, prompt, args.tokens, name)
+                    spec = llm.engine.spec
+                    if spec is not None:
+                        s = llm.engine.spec_stats()
+                        entry["accept_length"] = round((s.accepted_tokens + s.verify_steps)
+                                                       / max(1, s.verify_steps), 3)
+                else:
+                    entry["phases_unchained"] = profile_phases(llm, prompt, args.tokens, name)
+                llm.engine.shutdown()
         res["results"][name] = entry
         k = entry["kernels"]
         print(f"{name:14s} {k['kernels_per_step']:7.1f} kernels/step {k['device_us_per_step']:8.1f} µs/step  "

@@ -290,3 +290,27 @@ def test_adaptive_points_record_what_the_policy_believed(tmp_path):
     assert "2x1" in costs and len(costs) >= 2 and all(k.startswith("2x") for k in costs)
     for c in costs.values():
         assert c["step_ms"] > 0 and c["forward_ms"] > 0 and c["observed"] >= 0
+
+
+def test_a_benchmark_configuration_carries_its_own_developer_switches(monkeypatch):
+    """benchmarks/common.py: 'eagle3-chain@TERCEL_VERIFY_ATTN=rope' names the configuration and the switches its
+    engine runs under (spec_rounds.py / step_profile.py measure a variant beside the default in one process);
+    an undocumented or malformed switch is refused with the list of names; switches() restores the environment."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_common", REPO / "benchmarks" / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    assert common.split_config("eagle3-chain") == ("eagle3-chain", {})
+    assert common.split_config("eagle3-chain@TERCEL_VERIFY_ATTN=rope@TERCEL_SPEC_CHAIN=0") == (
+        "eagle3-chain", {"TERCEL_VERIFY_ATTN": "rope", "TERCEL_SPEC_CHAIN": "0"})
+    for bad in ("plain@TERCEL_NOPE=1", "plain@TERCEL_VERIFY_ATTN"):
+        with pytest.raises(SystemExit, match="not VAR=VALUE with VAR one of .*TERCEL_VERIFY_ATTN"):
+            common.split_config(bad)
+    monkeypatch.delenv("TERCEL_VERIFY_ATTN", raising=False)
+    monkeypatch.setenv("TERCEL_SPEC_CHAIN", "1")
+    with pytest.raises(RuntimeError):
+        with common.switches({"TERCEL_VERIFY_ATTN": "rope", "TERCEL_SPEC_CHAIN": "0"}):
+            assert os.environ["TERCEL_VERIFY_ATTN"] == "rope" and os.environ["TERCEL_SPEC_CHAIN"] == "0"
+            raise RuntimeError("a run that fails still restores the environment")
+    assert "TERCEL_VERIFY_ATTN" not in os.environ and os.environ["TERCEL_SPEC_CHAIN"] == "1"
