@@ -75,6 +75,19 @@ def compare_small_m_fused_unfused(device: str, dtype: torch.dtype = torch.float3
     if not isinstance(model.attn_backend, TritonAttentionBackend):  # CPU under the interpreter
         model.attn_backend = TritonAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, None, num_sms=8)
     fuse_all_rows(model)
+    saved = os.environ.pop("TERCEL_SMALL_M", None)
+    try:  # tuned tables without the switch (an engine built with TERCEL_SMALL_M=0): only batch 1 fuses
+        assert not model._fused_rows(torch.zeros(4, cfg.hidden_size, device=device, dtype=dtype))
+        assert model._fused_rows(torch.zeros(1, cfg.hidden_size, device=device, dtype=dtype))
+        os.environ["TERCEL_SMALL_M"] = "1"
+        _compare_small_m(model, cfg, device, dtype)
+    finally:
+        os.environ.pop("TERCEL_SMALL_M", None)
+        if saved is not None:
+            os.environ["TERCEL_SMALL_M"] = saved
+
+
+def _compare_small_m(model, cfg, device: str, dtype: torch.dtype) -> None:
     kv_f, kv_u = kv_pool(cfg, device, dtype, 100, 16), kv_pool(cfg, device, dtype, 100, 16)
     reqs = FakeRequests(3, kv_f, cfg.vocab_size)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
@@ -178,8 +191,9 @@ def _runs(model, cfg, t: int, graph: bool) -> tuple[list, list, list | None]:
 @needs_cuda
 @pytest.mark.gpu
 @torch.inference_mode()
-def test_smol_verify_fp32_fused_greedy_equals_unfused():
+def test_smol_verify_fp32_fused_greedy_equals_unfused(monkeypatch):
     """fp32, every role forced onto the small-M kernels: the same greedy tokens as the unfused path."""
+    monkeypatch.setenv("TERCEL_SMALL_M", "1")  # forwards read it too (models.llama._fused_rows)
     model, cfg = _smol_model(torch.float32)
     fuse_all_rows(model)
     for t in (2, 8, 16):

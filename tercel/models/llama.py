@@ -30,7 +30,7 @@ from torch import nn
 from ..attention.base import AttentionBackend
 from ..config import ConfigError, ModelConfig
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
-from ..kernels import SMALL_M_ROWS, fused_decode_enabled, row_bucket, use_triton
+from ..kernels import SMALL_M_ROWS, fused_decode_enabled, row_bucket, small_m_enabled, use_triton
 from ..kv import PagedKVCache
 from .cpu_fused import CpuFusedLayers
 from .cpu_linear import CpuPackedLinear, PackedInt4, Q4Blocks, Q8Blocks
@@ -260,6 +260,8 @@ class LlamaForCausalLM(nn.Module):
         of every layer. Depends on the shape only (and the switches), never on the values."""
         m = h.shape[0] if h.dim() == 2 else 0
         if not 1 <= m <= SMALL_M_ROWS or not h.is_contiguous() or not use_triton(h) or not fused_decode_enabled():
+            return False
+        if m > 1 and not small_m_enabled():  # tuned at load; TERCEL_SMALL_M=0 at capture keeps an engine unfused
             return False
         return all(any(c is not None for c in layer.self_attn.fused_configs(m) + layer.mlp.fused_configs(m))
                    for layer in self.layers)
