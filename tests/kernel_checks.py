@@ -259,8 +259,9 @@ def _small_m_case(device: str, dtype: torch.dtype, m: int, n: int, k: int, g: to
 
 def check_gemm_small(device: str, dtype: torch.dtype) -> None:
     """The small-M GEMM (2..32 rows, kernels.gemm_small) with every fusion equals the unfused kernels row
-    by row: several row counts and shapes, the broadcast product and tl.dot, split-K; fp32 logits are the
-    rounded values widened; rows never see each other (a changed row leaves the others bit-equal)."""
+    by row: several row counts and shapes, the broadcast product and tl.dot (rows or weights as the MMA's M),
+    split-K; fp32 logits are the rounded values widened; rows never see each other (a changed row leaves the
+    others bit-equal)."""
     from tercel.kernels.fused import rms_norm, silu_mul
     from tercel.kernels.gemv import GemvConfig, gemv
 
@@ -271,9 +272,11 @@ def check_gemm_small(device: str, dtype: torch.dtype) -> None:
              (32, 40, 64, GemvConfig(block_n=16, block_k=16, split_k=3, dot=True)),
              (6, 33, 80, GemvConfig(block_n=4, block_k=128, rowloop=True)),
              (16, 40, 96, GemvConfig(block_n=8, block_k=128, num_warps=8, rowloop=True)),
-             (3, 40, 64, GemvConfig(block_n=2, block_k=64, rowloop=True))]
-    if dtype != torch.float32:  # bf16 under the interpreter is slow: the three kernels, one case each
-        cases = cases[1:3] + cases[4:5]
+             (3, 40, 64, GemvConfig(block_n=2, block_k=64, rowloop=True)),
+             (7, 40, 96, GemvConfig(block_n=16, block_k=32, dot=True, swap=True)),  # w @ x^T
+             (20, 48, 80, GemvConfig(block_n=32, block_k=16, split_k=2, dot=True, swap=True))]
+    if dtype != torch.float32:  # bf16 under the interpreter is slow: the four kernels, one case each
+        cases = cases[1:3] + cases[4:5] + cases[7:8]
     tol = _tol(dtype) / (4 if dtype == torch.float32 else 2)  # bf16: both sides round the product, then the sum
     for m, n, k, c in cases:
         d = _small_m_case(device, dtype, m, n, k, g)
@@ -299,12 +302,14 @@ def check_gemm_small(device: str, dtype: torch.dtype) -> None:
     unfused = F.linear(rms_norm(d["x"], d["nw"], 1e-5), d["w"])
     for c in (GemvConfig(block_n=8, block_k=32, norm_after=True), GemvConfig(block_n=16, block_k=32, norm_after=True,
                                                                             dot=True),
-              GemvConfig(block_n=4, block_k=128, norm_after=True, rowloop=True)):
+              GemvConfig(block_n=4, block_k=128, norm_after=True, rowloop=True),
+              GemvConfig(block_n=16, block_k=32, norm_after=True, dot=True, swap=True)):
         y = gemv(d["x"], d["w"], c, norm_weight=d["nw"], eps=1e-5)
         bound = max(_rel(unfused, exact), 1e-6) * 1.5 + (1e-6 if dtype == torch.float32 else 4e-3)
         assert _rel(y, exact) <= bound, (c, _rel(y, exact), bound)
     for bad in (GemvConfig(block_n=16, block_k=32, split_k=2, norm_after=True), GemvConfig(block_n=8, dot=True),
-                GemvConfig(block_n=4, block_k=64, rowloop=True)):  # K = 96 does not fit one 64-wide tile
+                GemvConfig(block_n=4, block_k=64, rowloop=True),  # K = 96 does not fit one 64-wide tile
+                GemvConfig(block_n=16, block_k=32, swap=True)):  # swap transposes a tl.dot product
         try:
             gemv(d["x"], d["w"], bad, norm_weight=d["nw"], eps=1e-5)
         except ValueError:

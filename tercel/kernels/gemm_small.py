@@ -5,7 +5,9 @@ once, in BLOCK_K chunks, and applies every chunk to all M rows of x (padded to B
 power of two), so the weight traffic is that of batch-1 decode. Two inner products:
   dot=False  broadcast multiply and a reduction over the chunk, in fp32 (the tuner: 2 and 4 rows)
   dot=True   tl.dot on the tensor cores, M padded to at least 16 (the fp32 model dtype uses the exact
-             "ieee" precision, so fp32 stays fp32 arithmetic)
+             "ieee" precision, so fp32 stays fp32 arithmetic); swap=True: the product transposed, w @ x^T, so the
+             weight rows are the MMA's M and the few tokens its N (cuBLAS's nvjet 64x8 tiles here; on sm_90
+             a 64-row weight tile compiles to wgmma, the rows-as-M product to mma.sync)
   rowloop    the batch-1 GEMV's own pattern, row after row: each program holds its BLOCK_N x K weight tile (one
              chunk: K <= BLOCK_K, read before the PDL wait) and reduces it against each row of x in turn: no 3D
              product tile, and every row and result stays in the tile's 2D layout (no trip through shared
@@ -61,7 +63,8 @@ def _prologue(X, NW, x_rows, mm, k0, cols, K, k_end, rstd,
 def _gemm_small_kernel(X, W, Y, R, NW, M, K, K_PER_SPLIT, stride_x, stride_w, N, eps,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                        NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_AFTER: tl.constexpr, SILU: tl.constexpr,
-                       ADD: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                       ADD: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr,
+                       PDL: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns: weight rows
@@ -90,11 +93,17 @@ def _gemm_small_kernel(X, W, Y, R, NW, M, K, K_PER_SPLIT, stride_x, stride_w, N,
         rstd = tl.rsqrt(tl.sum(ssn, 1) / K + eps)
     ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # SWAP: the product transposed
     for k0 in range(k_start, k_end, BLOCK_K):
         x, raw = _prologue(X, NW, x_rows, mm, k0, cols, K, k_end, rstd, NORM, NORM_AFTER, SILU)
         if NORM_AFTER:
             ss += raw * raw
-        if DOT:
+        if DOT and SWAP:
+            if IEEE:
+                acc_t = tl.dot(w.to(tl.float32), tl.trans(x.to(w.dtype).to(tl.float32)), acc_t, input_precision="ieee")
+            else:
+                acc_t = tl.dot(w, tl.trans(x.to(w.dtype)), acc_t)
+        elif DOT:
             if IEEE:  # x as the tensor cores would take it (a no-op for fp32 weights), in fp32 arithmetic
                 xw = x.to(w.dtype).to(tl.float32)
                 acc = tl.dot(xw, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
@@ -106,7 +115,10 @@ def _gemm_small_kernel(X, W, Y, R, NW, M, K, K_PER_SPLIT, stride_x, stride_w, N,
         w = tl.load(w_ptr + nxt, mask=rm[:, None] & (nxt + cols < k_end)[None, :], other=0.0)
     if PDL >= 2:  # the weights are all read: the next kernel may take the SMs this one leaves
         tl.extra.cuda.gdc_launch_dependents()
-    y = acc
+    if SWAP:
+        y = tl.trans(acc_t)
+    else:
+        y = acc
     if NORM_AFTER:
         y = y * tl.rsqrt(tl.sum(ss, 1) / K + eps)[:, None]
     out = ms[:, None] * N + rows[None, :]
@@ -183,6 +195,8 @@ def check_config(config, m: int, k: int, silu: bool, norm: bool) -> None:
                          f"split_k=1 and block_k >= K ({k}).")
     if config.dot and (config.block_n < 16 or config.block_k < 16):
         raise ValueError(f"gemm_small: {config} uses tl.dot, which needs block_n and block_k >= 16.")
+    if config.swap and not config.dot:
+        raise ValueError(f"gemm_small: {config}: swap transposes the tl.dot product; it needs dot=True.")
     if config.norm_after and (not norm or config.split_k != 1):
         raise ValueError(f"gemm_small: {config}: norm_after needs norm_weight and split_k=1.")
     if norm and silu:
@@ -225,7 +239,7 @@ def gemm_small(x: torch.Tensor, weight: torch.Tensor, config, *, norm_weight: to
         x, weight, out, res, norm_weight if norm_weight is not None else x, m, k, per_split, x.stride(0),
         weight.stride(0), n, eps, BLOCK_M=block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=splits,
         NORM=norm_weight is not None, NORM_BLOCK=norm_block, NORM_AFTER=c.norm_after, SILU=silu,
-        ADD=residual is not None, DOT=c.dot, IEEE=x.dtype == torch.float32 or _INTERPRET, PDL=pdl,
+        ADD=residual is not None, DOT=c.dot, SWAP=c.swap, IEEE=x.dtype == torch.float32 or _INTERPRET, PDL=pdl,
         num_warps=c.num_warps, **launch)
     if splits > 1:  # the [SPLIT, M * N] partials summed as gemv sums its [SPLIT, N]
         sum_splits_kernel[(triton.cdiv(m * n, 1024),)](out, y, res, x, m * n, SPLIT=splits, BLOCK=1024,

@@ -43,6 +43,7 @@ class GemvConfig:
     norm_after: bool = False  # RMSNorm prologue only: scale the dot product by 1/rms (one pass; split_k 1)
     dot: bool = False  # small-M only (kernels.gemm_small): tensor-core tl.dot, rows padded to 16
     rowloop: bool = False  # small-M only: the batch-1 GEMV of each row against one weight tile (K <= block_k)
+    swap: bool = False  # small-M tl.dot only: weight rows as the MMA's M, tokens as its N (wgmma at block_n 64)
 
 
 @triton.jit

@@ -52,6 +52,11 @@ SMALL_M_DOT = (  # every row bucket; wide programs re-read the rows of x (and th
     GemvConfig(block_n=16, block_k=256, dot=True), GemvConfig(block_n=32, block_k=128, dot=True),
     GemvConfig(block_n=64, block_k=128, num_warps=8, dot=True),
     GemvConfig(block_n=16, block_k=256, split_k=4, dot=True),
+    # the product transposed (weight rows as the MMA's M, wgmma on sm_90), as cuBLAS's small-M tiles take it;
+    # 64 weight rows a program leave few programs on a small matrix, so also split K in 4
+    GemvConfig(block_n=64, block_k=64, dot=True, swap=True),
+    GemvConfig(block_n=64, block_k=64, split_k=4, dot=True, swap=True),
+    GemvConfig(block_n=128, block_k=64, num_warps=8, dot=True, swap=True),
 )
 # Broadcast-product configs: many narrow programs, as the batch-1 GEMV wins with on small matrices. The rows x
 # block_n x block_k product tile is 8192 values (64 fp32 registers a thread at 4 warps) at most, past which it
