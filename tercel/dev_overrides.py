@@ -30,6 +30,9 @@ OVERRIDES: dict[str, EnvOverride] = {
         "0", "1: tune and use the fused small-M GEMMs for 2..32-row forwards (measured slower per verify step on "
              "the H200, so off); read again when a forward runs or is captured, so an engine built with 0 after "
              "the weights were tuned with 1 keeps its verify unfused (side-by-side runs in one process)"),
+    "TERCEL_SMALL_M_BUCKETS": EnvOverride(
+        "", "with TERCEL_SMALL_M=1: the row buckets the small-M tuner measures, a comma list of 2, 4, 8, 16, 32 "
+            "(default every one; a bs-1 chain of 6 rows needs 8): the others stay unfused"),
     "TERCEL_DRAFT_PAGED_PREFIX": EnvOverride(
         "1", "0: the EAGLE tree draft loop and DFlash's block gather every prefix slot the block table can hold and "
              "run SDPA over them (the CPU's path), instead of the split-KV decode kernel over each request's own "

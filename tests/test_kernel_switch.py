@@ -74,3 +74,14 @@ def test_verify_attention_mode_reads_the_switch(monkeypatch):
     monkeypatch.setenv("TERCEL_VERIFY_ATTN", "one")
     with pytest.raises(ValueError, match="TERCEL_VERIFY_ATTN='one': use one of split, rope"):
         kernels.verify_attention_mode()
+
+
+def test_small_m_buckets_reads_the_switch(monkeypatch):
+    monkeypatch.delenv("TERCEL_SMALL_M_BUCKETS", raising=False)
+    assert kernels.small_m_buckets() == (2, 4, 8, 16, 32)
+    monkeypatch.setenv("TERCEL_SMALL_M_BUCKETS", "16, 8")
+    assert kernels.small_m_buckets() == (8, 16)
+    for bad in ("6", "eight", ","):
+        monkeypatch.setenv("TERCEL_SMALL_M_BUCKETS", bad)
+        with pytest.raises(ValueError, match="TERCEL_SMALL_M_BUCKETS=.*among 2, 4, 8, 16, 32"):
+            kernels.small_m_buckets()

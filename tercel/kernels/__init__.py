@@ -17,6 +17,7 @@ tercel.dev_overrides:
                           on the H200: off by default)
   TERCEL_DECODE_MAX_SPLITS  most split-KV programs per (request, KV head) in decode attention (default 16)
   TERCEL_SMALL_M=1        tune and use the fused small-M GEMMs for 2..32-row forwards (off by default)
+  TERCEL_SMALL_M_BUCKETS  the row buckets it tunes (e.g. 8; default 2,4,8,16,32)
   TERCEL_PDL              programmatic dependent launch for the decode GEMVs and attention: late (default: the
                           next kernel may launch once every program has finished its main loop), early (alias 1:
                           once every program has passed its wait; measured slower on the H200), 0 (off),
@@ -73,6 +74,24 @@ def small_m_enabled() -> bool:
 
 TOPK_ROWS_MAX_K = 16  # the widest top-k of kernels.topk_rows (wider: torch.topk)
 SMALL_M_ROWS = 32  # the most rows of a fused small-M forward (kernels.gemm_small): 16 drafts x 2 requests
+ROW_BUCKETS = tuple(1 << i for i in range(1, SMALL_M_ROWS.bit_length()))  # 2, 4, .., 32: gemm_small's BLOCK_M
+
+
+def small_m_buckets() -> tuple[int, ...]:
+    """The row buckets the small-M tuner measures (TERCEL_SMALL_M_BUCKETS, e.g. "8" for a bs-1 chain of 6 rows;
+    default every bucket 2..SMALL_M_ROWS): a measurement that needs one bucket skips the others' tuning time."""
+    every = ROW_BUCKETS
+    value = env("TERCEL_SMALL_M_BUCKETS")
+    if not value:
+        return every
+    try:
+        wanted = tuple(sorted({int(v) for v in value.split(",") if v.strip()}))
+    except ValueError:
+        wanted = ()
+    if not wanted or any(b not in every for b in wanted):
+        raise ValueError(f"TERCEL_SMALL_M_BUCKETS={value!r}: a comma list of row buckets among "
+                         f"{', '.join(map(str, every))}.")
+    return wanted
 
 
 def row_bucket(m: int) -> int:

@@ -29,10 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _INTERPRET, SMALL_M_ROWS, pdl_mode, row_bucket
+from . import _INTERPRET, ROW_BUCKETS, pdl_mode, row_bucket  # noqa: F401  (ROW_BUCKETS: the BLOCK_M values)
 from .split_sum import sum_splits_kernel
-
-ROW_BUCKETS = tuple(1 << i for i in range(1, SMALL_M_ROWS.bit_length()))  # 2, 4, .., 32: the BLOCK_M values
 
 
 @triton.jit

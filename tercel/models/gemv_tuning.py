@@ -12,8 +12,7 @@ from collections import defaultdict
 
 import torch
 
-from ..kernels import small_m_enabled
-from ..kernels.gemm_small import ROW_BUCKETS
+from ..kernels import small_m_buckets, small_m_enabled
 from ..kernels.gemv import GemvConfig
 from ..kernels.gemv_tune import GemvChoice, small_m_candidates, tune_role, tune_shape
 from .linear import Linear
@@ -64,7 +63,7 @@ def _tune_small_m(model: torch.nn.Module) -> list[GemvChoice]:
             by_shape[tuple(item[2].shape)].append(item)
         for group in by_shape.values():
             weights = [w for _, _, w, _ in group]
-            for rows in ROW_BUCKETS:
+            for rows in small_m_buckets():
                 choice = tune_role(role, weights, None, small_m_candidates(rows, weights[0].shape[1]), rows=rows)
                 measured.append((group, choice))
     for group, choice in measured:  # all measured first: a failure part-way sets nothing
