@@ -33,6 +33,10 @@ OVERRIDES: dict[str, EnvOverride] = {
     "TERCEL_SMALL_M_BUCKETS": EnvOverride(
         "", "with TERCEL_SMALL_M=1: the row buckets the small-M tuner measures, a comma list of 2, 4, 8, 16, 32 "
             "(default every one; a bs-1 chain of 6 rows needs 8): the others stay unfused"),
+    "TERCEL_DRAFT_HEAD": EnvOverride(
+        "native", "int8: an EAGLE draft's head product reads int8 rows with a per-row scale (kernels/gemv_q8.py; "
+                  "half the bytes, SmolLM2's head then fits the GPU's L2; the target verifies, so only the "
+                  "proposals can change); native: the head in the draft's dtype"),
     "TERCEL_DRAFT_PAGED_PREFIX": EnvOverride(
         "1", "0: the EAGLE tree draft loop and DFlash's block gather every prefix slot the block table can hold and "
              "run SDPA over them (the CPU's path), instead of the split-KV decode kernel over each request's own "

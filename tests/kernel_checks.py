@@ -374,8 +374,7 @@ def check_rows_rope(device: str, dtype: torch.dtype) -> None:
     nq, nkv, page = 8, 2, 16
     totals = [5, 17, 100, 64, 250]  # per request, the block's tokens included
     g = torch.Generator(device="cpu").manual_seed(12)
-    # (rows per request, splits, window, head_dim): 3 splits merge in a second launch, the others in the kernel;
-    # head_dim 128 launches 8 warps
+    # (rows per request, splits, window, head_dim): 3 splits merge in a second launch, the others in the kernel
     for t, splits, window, d in ((2, 1, None, 64), (2, 8, 40, 64), (5, 3, None, 64), (5, 8, None, 64),
                                  (4, 3, 40, 64), (3, 8, None, 128)):
         kc, vc, bt = _paged_case(device, dtype, totals, nq, nkv, d, page, seed=11)
@@ -413,6 +412,35 @@ def check_rows_rope(device: str, dtype: torch.dtype) -> None:
         assert "rows=2" in str(e), e
     else:
         raise AssertionError("7 rows in blocks of 2 must be refused")
+
+
+def check_gemv_q8(device: str, dtype: torch.dtype) -> None:
+    """The int8 head product (kernels/gemv_q8.py) equals its torch reference for one and several rows, ragged
+    N and K; int8 rows with per-row scales stay within half a step of the weights; bad operands are refused."""
+    from tercel.kernels.gemv_q8 import gemv_q8, gemv_q8_reference, quantize_rows_int8
+
+    g = torch.Generator(device="cpu").manual_seed(21)
+    for m, n, k, block_n, block_k in ((1, 200, 96, 32, 64), (3, 77, 130, 16, 64), (5, 40, 576, 32, 256)):
+        w = (torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)).to(device, dtype)
+        w[3] = 0  # an all-zero row: its scale must not divide by zero
+        q, scale = quantize_rows_int8(w)
+        assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (n,)
+        err = (q.float() * scale[:, None] - w.float()).abs()
+        assert bool((err <= scale[:, None] * 0.5 + 1e-6).all()), "int8 rounding beyond half a step"
+        assert bool((q[3] == 0).all())
+        x = torch.randn(m, k, generator=g).to(device, dtype)
+        got = gemv_q8(x, q, scale, block_n=block_n, block_k=block_k)
+        want = gemv_q8_reference(x, q, scale)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        assert _rel(got, want) < 1e-5, (m, n, k, _rel(got, want))
+        assert _rel(got, torch.nn.functional.linear(x.float(), w.float())) < 2e-2  # the int8 head's own error
+    for bad_x, bad_q, bad_s in ((x[:, :-1], q, scale), (x, q.float(), scale), (x, q, scale[:-1])):
+        try:
+            gemv_q8(bad_x, bad_q, bad_s)
+        except ValueError as e:
+            assert "gemv_q8" in str(e)
+        else:
+            raise AssertionError("gemv_q8 must refuse mismatched operands")
 
 
 def check_argmax(device: str, dtype: torch.dtype) -> None:
@@ -872,8 +900,8 @@ def check_draft_rope_attention(device: str, dtype: torch.dtype) -> None:
 
 
 ALL = [check_race, check_argmax, check_norms, check_rope_store, check_decode, check_extend, check_gemv,
-       check_gemv_fused, check_gemm_small, check_decode_rope, check_rows_rope, check_tree_draft_attention,
-       check_dflash_paged_attention, check_chain_accept, check_stream_keys,
+       check_gemv_fused, check_gemm_small, check_gemv_q8, check_decode_rope, check_rows_rope,
+       check_tree_draft_attention, check_dflash_paged_attention, check_chain_accept, check_stream_keys,
        check_sample_filter, check_tree_accept, check_ddtree_beams, check_race_logits,
        check_topk_rows, check_draft_rope_attention]
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from spec_utils import spec_llm, tiny_llama_target
 
 from tercel import LLM, SamplingParams
@@ -133,3 +134,36 @@ def test_smollm2_with_the_bundled_token_map_equals_plain(smol_llm):
         assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == ref
         assert spec.generate(prompts[1], params)[0].outputs[0].token_ids == ref[1]
         assert spec.engine.spec_stats().accepted_tokens > 0
+
+
+@pytest.mark.parametrize("shape", [dict(speculative_eagle_topk=1), dict(speculative_eagle_topk=4,
+                                                                       speculative_num_draft_tokens=12)],
+                         ids=["chain", "tree"])
+def test_an_int8_draft_head_keeps_the_plain_tokens(tiny, shape, monkeypatch):
+    """TERCEL_DRAFT_HEAD=int8 (developer switch): the draft's head product reads int8 rows with per-row scales
+    (EagleDraftModel.quantize_head, kernels/gemv_q8.py); its logits stay close to the full-precision head's, and
+    greedy output is plain's, with a token map too (the kept rows are quantized)."""
+    root, llm = tiny
+    d = random_eagle3(root / "d-int8", llm.engine.model_config, aux_layer_ids=(0, 1, 2), std=0.3,
+                      head_from_target=True)
+    (root / "map8.json").write_text(json.dumps(list(range(0, VOCAB, 2))))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 11, 7, 20)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    monkeypatch.setenv("TERCEL_DRAFT_HEAD", "int8")
+    for token_map in (None, str(root / "map8.json")):
+        spec = spec_llm(llm, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(d),
+                        speculative_token_map=token_map, **shape)
+        model = spec.engine.spec.drafter.model
+        q, scale = model.head_q
+        assert q.dtype == torch.int8 and q.shape[0] == model.vocab_size == (VOCAB if token_map is None else VOCAB // 2)
+        h = torch.randn(5, llm.engine.model_config.hidden_size)
+        full = (model.hot_head(model.norm(h)) if model.hot_head is not None
+                else F.linear(model.norm(h), model._head_weight())).float()
+        assert float((model.compute_logits(h) - full).norm() / full.norm()) < 2e-2
+        assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == ref
+        assert spec.engine.spec_stats().draft_tokens > 0
+    monkeypatch.setenv("TERCEL_DRAFT_HEAD", "fp8")
+    with pytest.raises(ValueError, match="TERCEL_DRAFT_HEAD='fp8': use one of native, int8"):
+        spec_llm(llm, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(d), **shape)

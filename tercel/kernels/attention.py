@@ -495,7 +495,7 @@ def decode_attention_rope(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, 
         PAGE=page_size, BLOCK_N=64 if dim <= 128 else 32, NUM_SPLITS=num_splits,
         SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), IEEE=qk.dtype == torch.float32, PDL=pdl,
         MERGE=merge_in_kernel, PREFETCH=pf_on, GROUP_M=max(2, triton.next_power_of_2(group)), ROWS=rows,
-        T_PAD=t_pad, num_warps=8 if rows > 1 and (dim >= 128 or t_pad >= 64) else 4,  # rows: no register spills
+        T_PAD=t_pad, num_warps=4,
         num_stages=2, **(dict(launch_pdl=True) if pdl else {}))
     if num_splits > 1 and not merge_in_kernel:
         _decode_merge_kernel[(bsz, heads)](

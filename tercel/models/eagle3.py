@@ -171,6 +171,7 @@ class EagleDraftModel(nn.Module):
                              else torch.arange(cfg.draft_vocab_size), persistent=False)
         self.rope = None if on_meta else RotaryEmbedding(lc, max_positions, dtype)
         self.hot_head: Linear | None = None  # restrict_vocab: the head rows of the hot tokens only
+        self.head_q: tuple[torch.Tensor, torch.Tensor] | None = None  # quantize_head: (int8 rows, fp32 scales)
 
     @property
     def num_layers(self) -> int:
@@ -213,6 +214,17 @@ class EagleDraftModel(nn.Module):
         self.draft_to_target = ids[keep]
         return n
 
+    def quantize_head(self) -> None:
+        """The head product over int8 rows with a per-row scale (after share_target and any restrict_vocab):
+        half the bytes of a bf16 head, so a draft step reads less and, at SmolLM2's size, the GPU's L2 holds it.
+        Only the draft's proposals can change; the target's own head is untouched."""
+        if self._target_head is None:
+            raise RuntimeError("quantize_head needs share_target first (the head may be the target's).")
+        from ..kernels.gemv_q8 import quantize_rows_int8
+
+        w = self.hot_head.weight if self.hot_head is not None else self._head_weight()
+        self.head_q = quantize_rows_int8(w.detach())
+
     def kv_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         lc = self.config.layers
         return KVCacheSpec(self.num_layers, lc.num_kv_heads, lc.head_dim, block_size, dtype)
@@ -254,6 +266,15 @@ class EagleDraftModel(nn.Module):
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits (float32) from pre-norm hidden states."""
+        if self.head_q is not None:
+            from ..kernels import use_triton
+            from ..kernels.gemv_q8 import gemv_q8, gemv_q8_reference
+
+            x = h if self.config.kind == "eagle" else self.norm(h)
+            x = x.reshape(-1, x.shape[-1]).contiguous()
+            q, scale = self.head_q
+            out = gemv_q8(x, q, scale) if use_triton(x) else gemv_q8_reference(x, q, scale)
+            return out.reshape(*h.shape[:-1], q.shape[0])
         if self.hot_head is not None:
             return self.hot_head(h if self.config.kind == "eagle" else self.norm(h)).float()
         if self.config.kind == "eagle":

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..batching import RowSpan, blocks_covering, build_batch, context_slots, padded_tables
+from ..dev_overrides import env
 from ..executor import DRAFT, DRAFT_EXTEND, DRAFT_TREE
 from ..forward_batch import CaptureHiddenMode
 from ..graphs.runner import CudaGraphRunner, GraphConfig
@@ -55,6 +56,17 @@ class EagleState:
     first: torch.Tensor  # [] target id of their top-1: a greedy chain's first draft
 
 
+DRAFT_HEAD_MODES = ("native", "int8")
+
+
+def draft_head_mode() -> str:
+    """TERCEL_DRAFT_HEAD: native (the head in the draft's dtype) or int8 (EagleDraftModel.quantize_head)."""
+    mode = env("TERCEL_DRAFT_HEAD")
+    if mode not in DRAFT_HEAD_MODES:
+        raise ValueError(f"TERCEL_DRAFT_HEAD={mode!r}: use one of {', '.join(DRAFT_HEAD_MODES)}.")
+    return mode
+
+
 class EagleDrafter(Drafter):
     capture_hidden_mode = CaptureHiddenMode.FULL
     has_kv = True
@@ -78,6 +90,10 @@ class EagleDrafter(Drafter):
                 raise ConfigError(f"speculative_token_map {token_map} leaves the draft {kept} tokens, fewer than "
                                   f"speculative_eagle_topk={topk}; use a larger map or a smaller topk.")
             log.info("speculative_token_map %s: the draft proposes %d of its tokens", token_map, kept)
+        if draft_head_mode() == "int8":
+            model.quantize_head()
+            log.info("TERCEL_DRAFT_HEAD=int8: the draft's head product reads int8 rows (%d x %d)",
+                     *model.head_q[0].shape)
         self.kv = PagedKVCache(model.kv_spec(engine.kv.block_size, model.fc.weight.dtype), engine.kv.num_blocks,
                                engine.device)
         self.scale = model.config.layers.head_dim ** -0.5

@@ -138,8 +138,9 @@ class _DraftStep(StepKind):
         return None
 
     def capture_key(self) -> tuple:
-        # the graphs bind the head's weights: a token map (restrict_vocab) must come before capture
-        return (id(self.model.hot_head),)
+        # the graphs bind the head's weights: a token map (restrict_vocab) or quantize_head must come before
+        # capture
+        return (id(self.model.hot_head), id(self.model.head_q))
 
 
 class EagleDraftLoopStep(_DraftStep):
