@@ -25,6 +25,10 @@ def environment() -> dict:
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
+    # developer switches set for the whole run (a configuration's own @VAR=VALUE are in its name)
+    switches = {k: os.environ[k] for k, o in OVERRIDES.items() if o.kind == "developer" and k in os.environ}
+    if switches:
+        env["switches"] = switches
     return env
 
 

@@ -27,7 +27,7 @@ WIDE_TREES = [  # larger EAGLE-2 trees, as SGLang runs them at low batch (--conf
 ]
 
 
-def run(model, draft, device, max_tokens, temps, configs, token_map=None) -> dict:
+def run(model, draft, device, max_tokens, temps, configs, token_map=None, adaptive: str = "on") -> dict:
     from tercel import LLM, SamplingParams
     from tercel.engine import LLMEngine
     from tercel.train.data import EVAL_CHAT_PROMPTS, EVAL_CODE_PROMPTS
@@ -43,7 +43,8 @@ def run(model, draft, device, max_tokens, temps, configs, token_map=None) -> dic
                                kv_cache_memory=KV_BYTES, speculative_algorithm=algo,
                                speculative_draft_model_path=draft if algo != "NGRAM" else None,
                                speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=n,
-                               speculative_token_map=token_map if algo != "NGRAM" else None)
+                               speculative_token_map=token_map if algo != "NGRAM" else None,
+                               speculative_adaptive=adaptive)
         for temp in temps:
             row = {}
             for set_name, prompts in sets.items():
@@ -80,6 +81,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temps", default="0,1")
     ap.add_argument("--token-map", default=None, help="--speculative-token-map for the EAGLE-3 configs")
+    ap.add_argument("--adaptive", default="on", choices=["on", "off"],
+                    help="off: every step at the configured width (the draft's acceptance alone, whatever the "
+                         "host's speed; on: the adaptive policy narrows widths by measured cost)")
     ap.add_argument("--configs", choices=["default", "wide"], default="default",
                     help="default: chain-5, tree top-4 x 16, n-gram; wide: trees of 32 and 64 nodes")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "spec_accept_smollm2.json"))
@@ -93,11 +97,12 @@ def main() -> None:
         draft = str(DEFAULT_EAGLE3_DRAFT)
     temps = [float(t) for t in args.temps.split(",")]
     results = run(args.model, draft, args.device, args.max_tokens, temps,
-                  WIDE_TREES if args.configs == "wide" else CONFIGS, args.token_map)
+                  WIDE_TREES if args.configs == "wide" else CONFIGS, args.token_map, args.adaptive)
     payload = {"benchmark": "speculative accept length on held-out prompts (tercel.train.data EVAL_*_PROMPTS)",
                "environment": environment(), "device": args.device,
                "model": args.model or "SmolLM2-135M-Instruct (default)",
-               "draft": draft, "token_map": args.token_map, "max_tokens": args.max_tokens, "prompts_per_set": 10,
+               "draft": draft, "token_map": args.token_map, "adaptive": args.adaptive, "max_tokens": args.max_tokens,
+               "prompts_per_set": 10,
                "mean_accept_length_definition": "(accepted drafts + bonus) / verify steps", "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")

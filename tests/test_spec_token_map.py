@@ -52,20 +52,26 @@ def test_restricted_logits_are_the_kept_columns(tiny, head):
             other.restrict_vocab(outside)
 
 
+def _greedy_case(root, llm, name: str, seed: int):
+    """A random EAGLE-3 head on the target's lm_head, a token map of the even ids, four prompts of mixed lengths,
+    greedy params and plain's tokens for them."""
+    d = random_eagle3(root / f"d-{name}", llm.engine.model_config, aux_layer_ids=(0, 1, 2), std=0.3,
+                      head_from_target=True)
+    (root / f"{name}.json").write_text(json.dumps(list(range(0, VOCAB, 2))))
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 11, 7, 20)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    return d, root / f"{name}.json", prompts, params, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
 @pytest.mark.parametrize("shape", [dict(speculative_eagle_topk=1), dict(speculative_eagle_topk=4,
                                                                        speculative_num_draft_tokens=12)],
                          ids=["chain", "tree"])
 def test_greedy_with_a_token_map_equals_plain(tiny, shape):
     root, llm = tiny
-    d = random_eagle3(root / "d-greedy", llm.engine.model_config, aux_layer_ids=(0, 1, 2), std=0.3,
-                      head_from_target=True)
-    (root / "map.json").write_text(json.dumps(list(range(0, VOCAB, 2))))
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 11, 7, 20)]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    d, token_map, prompts, params, ref = _greedy_case(root, llm, "greedy", 1)
     spec = spec_llm(llm, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(d),
-                    speculative_token_map=str(root / "map.json"), **shape)
+                    speculative_token_map=str(token_map), **shape)
     assert spec.engine.spec.drafter.model.vocab_size == VOCAB // 2
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == ref  # batch 4, mixed lengths
     assert [spec.generate(p, params)[0].outputs[0].token_ids for p in prompts[:2]] == ref[:2]  # batch 1
@@ -144,15 +150,9 @@ def test_an_int8_draft_head_keeps_the_plain_tokens(tiny, shape, monkeypatch):
     (EagleDraftModel.quantize_head, kernels/gemv_q8.py); its logits stay close to the full-precision head's, and
     greedy output is plain's, with a token map too (the kept rows are quantized)."""
     root, llm = tiny
-    d = random_eagle3(root / "d-int8", llm.engine.model_config, aux_layer_ids=(0, 1, 2), std=0.3,
-                      head_from_target=True)
-    (root / "map8.json").write_text(json.dumps(list(range(0, VOCAB, 2))))
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 11, 7, 20)]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    d, even_ids, prompts, params, ref = _greedy_case(root, llm, "int8", 2)
     monkeypatch.setenv("TERCEL_DRAFT_HEAD", "int8")
-    for token_map in (None, str(root / "map8.json")):
+    for token_map in (None, str(even_ids)):
         spec = spec_llm(llm, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(d),
                         speculative_token_map=token_map, **shape)
         model = spec.engine.spec.drafter.model

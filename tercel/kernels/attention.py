@@ -39,6 +39,26 @@ def _prefetch_l2(P, nbytes, pid, nprog, NT: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:  # fp32 models: exact fp32 products
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def _softmax_step(s, valid, m_i, l_i, qk_scale):
+    """One block of the online softmax: raw scores s [G, N] (valid [N]) -> probabilities, the old terms' rescale,
+    the new running max and sum."""
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
                  qk_scale, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                  IEEE: tl.constexpr):
@@ -53,21 +73,9 @@ def _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stri
         page = tl.load(BT + b * stride_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
         slot = page * PAGE + pos % PAGE
         k = tl.load(KC + slot[:, None] * stride_kcs + kvh * stride_kch + d[None, :], mask=valid[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_step(_dot(q, tl.trans(k), IEEE), valid, m_i, l_i, qk_scale)
         v = tl.load(VC + slot[:, None] * stride_vcs + kvh * stride_vch + d[None, :], mask=valid[:, None], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
     return m_i, l_i, acc
 
 
@@ -333,20 +341,8 @@ def _attend_new_keys(q, m_i, l_i, acc, QK, V, COS, SIN, r0, kvh, base, lo, hi, s
     sn = tl.load(SIN + rows[:, None] * stride_st + d[None, :], mask=vm, other=0.0).to(tl.float32)
     k = (kx * c + sign[None, :] * kxp * sn).to(k_dtype)
     v = tl.load(V + rows[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=vm, other=0.0).to(v_dtype)
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+    p, alpha, m_i, l_i = _softmax_step(_dot(q, tl.trans(k), IEEE), valid, m_i, l_i, qk_scale)
+    return m_i, l_i, acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
 
 
 @triton.jit
