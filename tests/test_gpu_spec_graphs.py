@@ -2,7 +2,8 @@
 graph-mode output equals eager-mode output (bf16 greedy, 128 tokens, batch 1 and 16) for every algorithm;
 fp32 greedy speculative output equals plain output on the SmolLM2 prompts (a mismatch is reported with the
 target's logit margin there); every block size / tree budget runs; a batch shrinks 32 -> 12 -> 1 with
-cancellations and nothing crashes."""
+cancellations and nothing crashes. The kernel variants behind developer switches (TERCEL_VERIFY_ATTN=rope,
+TERCEL_DRAFT_HEAD=int8) pass the graph == eager and fp32 == plain checks too."""
 from __future__ import annotations
 
 import pytest
@@ -69,6 +70,10 @@ def _draft_runner(llm):
     return spec.chain.runner if spec.chain is not None else spec.drafter.block_runner
 
 
+# the kernel variants behind developer switches (off by default until measured): the same checks as the defaults
+SWITCHED = {"verify-rows-rope": dict(TERCEL_VERIFY_ATTN="rope"), "int8-draft-head": dict(TERCEL_DRAFT_HEAD="int8")}
+
+
 @pytest.mark.parametrize("name", list(ALGOS))
 def test_graph_mode_equals_eager_mode_bf16(bf16, chats, name, monkeypatch):
     # bit-for-bit against eager needs the same steps in the same batches: the overlap schedule (a chained
@@ -98,6 +103,25 @@ def test_graph_mode_equals_eager_mode_bf16(bf16, chats, name, monkeypatch):
 def fp32(gguf):
     return LLM(gguf, dtype="float32", device="cuda", max_model_len=1024, kv_cache_memory=2 << 30,
                progress=False)
+
+
+# where each switch changes a kernel: causal verify rows (chains, DFLASH's block), the EAGLE draft's head
+SWITCHED_RUNS = [("eagle3-chain", "verify-rows-rope"), ("dflash", "verify-rows-rope"),
+                 ("eagle3-chain", "int8-draft-head")]
+
+
+@pytest.mark.parametrize("name,switch", SWITCHED_RUNS)
+def test_switched_kernels_graph_equals_eager_bf16(bf16, chats, name, switch, monkeypatch):
+    for var, value in SWITCHED[switch].items():
+        monkeypatch.setenv(var, value)
+    test_graph_mode_equals_eager_mode_bf16(bf16, chats, name, monkeypatch)
+
+
+@pytest.mark.parametrize("name,switch", SWITCHED_RUNS + [("eagle3-tree", "int8-draft-head")])
+def test_switched_kernels_fp32_speculative_equals_plain(fp32, chats, name, switch, monkeypatch):
+    for var, value in SWITCHED[switch].items():
+        monkeypatch.setenv(var, value)
+    test_fp32_speculative_equals_plain(fp32, chats, name)
 
 
 @pytest.mark.parametrize("name", list(ALGOS))
