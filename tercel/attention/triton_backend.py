@@ -46,6 +46,7 @@ class TritonAttentionMetadata:
     masks: torch.Tensor | None = None  # flat uint8, request b's [q, q] mask at mask_offsets[b] (-1: causal)
     mask_offsets: torch.Tensor | None = None
     rows: int = 0  # > 0: a causal verify as decode rows, this many per request (decode_attention_rope rows=)
+    rows_rope: bool = False  # rows: RoPE and the K/V store in the split kernel (TERCEL_VERIFY_ATTN=rope)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -79,7 +80,8 @@ class TritonAttentionBackend(AttentionBackend):
         step = torch.arange(t, device=batch.seq_lens.device)
         seq = (batch.seq_lens[:, None] - (t - 1) + step[None, :]).reshape(-1)
         splits = decode_splits(b * t, self.num_kv_heads, self.num_sms, decode_max_splits())
-        return TritonAttentionMetadata(True, tables, seq, block_size, splits, rows=t)
+        return TritonAttentionMetadata(True, tables, seq, block_size, splits, rows=t,
+                                       rows_rope=verify_attention_mode() == "rope")
 
     def prepare(self, batch: ForwardBatch, block_size: int) -> TritonAttentionMetadata:
         if batch.is_decode:
@@ -137,7 +139,7 @@ class TritonAttentionBackend(AttentionBackend):
         prefetch = prefetch if meta.decode and qk.shape[0] <= PREFETCH_MAX_BATCH and l2_prefetch_enabled() else None
         # verify rows (TERCEL_VERIFY_ATTN=rope) read the block's earlier keys from qk / v in the kernel, never
         # another row's store, so they can take the decode kernel with RoPE and the store inside too
-        rope_ok = meta.decode and fused_decode_enabled() and (not meta.rows or verify_attention_mode() == "rope")
+        rope_ok = meta.decode and fused_decode_enabled() and (not meta.rows or meta.rows_rope)
         mode = decode_attention_mode() if rope_ok else "split"
         if mode == "one" and meta.num_splits > 1 and self.split_counters(qk.shape[0], qk.device) is None:
             mode = "rope"
