@@ -60,6 +60,13 @@ def test_results_record_commands_relative_to_the_project_root(tmp_path):
                    f"--out {tmp_path}")
 
 
+def test_a_long_argument_that_is_no_path_is_recorded_as_typed():
+    # a comma list of configurations longer than a file name may be: os.stat raises ENAMETOOLONG
+    configs = ",".join(f"eagle3-chain@TERCEL_VERIFY_ATTN=rope@TERCEL_DRAFT_HEAD=int8_{i}" for i in range(8))
+    assert len(configs) > 255
+    assert command_line("python", ["x.py", "--configs", configs]) == f"python x.py --configs {configs}"
+
+
 def test_spec_stats_delta_reads_every_counter_and_histogram():
     s = SpecStats()
     s.record(4, 1)

@@ -49,7 +49,11 @@ def command_line(prog: str, argv: list[str], repo: Path = REPO) -> str:
     def rel(arg: str) -> str:
         key, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
         p = Path(value)
-        if value and (p.is_absolute() or p.exists()):
+        try:
+            is_path = bool(value) and (p.is_absolute() or p.exists())
+        except OSError:  # not a path at all (a long comma list of configurations, say)
+            is_path = False
+        if is_path:
             if p.name == SMOLLM2_GGUF_NAME:
                 return shlex.quote(key + eq) + "$SMOLLM2_GGUF" if key else "$SMOLLM2_GGUF"  # expands in a shell
             try:

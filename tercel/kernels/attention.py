@@ -350,12 +350,14 @@ def _decode_rope_kernel(QK, V, COS, SIN, LOC, KC, VC, BT, SL, O, PO, PL, CNT, PF
                         stride_qkt, stride_qkh, stride_vt, stride_vh, stride_ct, stride_st,
                         stride_kcs, stride_kch, stride_vcs, stride_vch, stride_bt,
                         stride_ob, stride_oh, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-                        qk_scale, window,
+                        qk_scale, window, rows,
                         NQ: tl.constexpr, NKV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                         SPLITS_PAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr,
-                        PREFETCH: tl.constexpr, GROUP_M: tl.constexpr, ROWS: tl.constexpr,
+                        PREFETCH: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                         T_PAD: tl.constexpr):
+    # rows (a verify block's length) is a runtime value, so each of a run's block sizes does not compile its own
+    # kernel; BLOCK_ROWS (rows > 1) and T_PAD (rows rounded up to a tile) are the only compile-time choices
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -385,7 +387,7 @@ def _decode_rope_kernel(QK, V, COS, SIN, LOC, KC, VC, BT, SL, O, PO, PL, CNT, PF
         loc = tl.load(LOC + b).to(tl.int64)
         tl.store(KC + loc * stride_kcs + kvh * stride_kch + d, (kx * c + sign * kxp * sn).to(KC.dtype.element_ty))
         tl.store(VC + loc * stride_vcs + kvh * stride_vch + d, tl.load(V + b * stride_vt + kvh * stride_vh + d))
-    if ROWS == 1:
+    if not BLOCK_ROWS:
         tl.debug_barrier()  # the new key and value are read back below, by other threads of this program
     g = tl.arange(0, GROUP_PAD)
     gm = g < GROUP
@@ -394,11 +396,11 @@ def _decode_rope_kernel(QK, V, COS, SIN, LOC, KC, VC, BT, SL, O, PO, PL, CNT, PF
     x = tl.load(qp + d[None, :], mask=gm[:, None], other=0.0)
     xp = tl.load(qp + partner[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
     q = (x.to(tl.float32) * c[None, :] + sign[None, :] * xp * sn[None, :]).to(x.dtype)
-    if ROWS == 1:
+    if not BLOCK_ROWS:
         m_i, l_i, acc = _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stride_vcs,
                                      stride_vch, stride_bt, qk_scale, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, IEEE)
     else:  # row j of a verify block: the cache up to the block's first position, then the block's keys 0..j
-        j = (b % ROWS).to(tl.int32)
+        j = (b % rows).to(tl.int32)
         base = seq_len - 1 - j
         m_i, l_i, acc = _attend_keys(q, KC, VC, BT, b, kvh, start, tl.minimum(end, base), stride_kcs, stride_kch,
                                      stride_vcs, stride_vch, stride_bt, qk_scale, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N,
@@ -486,11 +488,11 @@ def decode_attention_rope(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, 
         pf, pf_bytes,
         qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), cos2.stride(0), sin2.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1), *po_strides, *pl_strides, scale * LOG2E, window or 0,
+        out.stride(0), out.stride(1), *po_strides, *pl_strides, scale * LOG2E, window or 0, rows,
         NQ=heads, NKV=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         PAGE=page_size, BLOCK_N=64 if dim <= 128 else 32, NUM_SPLITS=num_splits,
         SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), IEEE=qk.dtype == torch.float32, PDL=pdl,
-        MERGE=merge_in_kernel, PREFETCH=pf_on, GROUP_M=max(2, triton.next_power_of_2(group)), ROWS=rows,
+        MERGE=merge_in_kernel, PREFETCH=pf_on, GROUP_M=max(2, triton.next_power_of_2(group)), BLOCK_ROWS=rows > 1,
         T_PAD=t_pad, num_warps=4,
         num_stages=2, **(dict(launch_pdl=True) if pdl else {}))
     if num_splits > 1 and not merge_in_kernel:
