@@ -11,7 +11,8 @@ fixed-width chain and adaptive chain.
 A configuration may carry developer switches (tercel/dev_overrides.py) for its own engine, set while it builds,
 warms up and runs: `--configs plain,eagle3-chain,eagle3-chain@TERCEL_VERIFY_ATTN=rope` measures a kernel variant
 beside the default in the same rounds. The small-M GEMMs are tuned once, on the shared weights, when the first
-engine loads: run the process with TERCEL_SMALL_M=1 and give the engines that stay unfused @TERCEL_SMALL_M=0
+engine loads: run the process with TERCEL_SMALL_M=1 (or rowgrid: the batch-1 GEMVs per row, no tuning pass) and
+give the engines that stay unfused @TERCEL_SMALL_M=0
 (`--configs plain,eagle3-chain,eagle3-chain@TERCEL_SMALL_M=0`; TERCEL_SMALL_M_BUCKETS=8 tunes only the bucket a
 bs-1 chain of 6 rows uses).
 

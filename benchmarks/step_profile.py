@@ -11,6 +11,8 @@ chat prompt. For each configuration:
 
 A configuration may name developer switches for its engine (tercel/dev_overrides.py), set while it builds and
 runs: `--configs eagle3-chain,eagle3-chain@TERCEL_VERIFY_ATTN=rope` profiles a kernel variant beside the default.
+The engines share the weights set up when the first loads: for the small-M kernels run the process with
+TERCEL_SMALL_M=rowgrid (or 1) and give the unfused engines @TERCEL_SMALL_M=0.
 
 Usage: PYTHONPATH=. python benchmarks/step_profile.py --model $M [--tokens 128] [--configs plain,eagle3-chain,...]
        --out benchmarks/results/step_profile_smollm2_h200_<commit>.json

@@ -28,11 +28,13 @@ OVERRIDES: dict[str, EnvOverride] = {
              "(norms, SwiGLU, residual adds, RoPE + store as their own launches)"),
     "TERCEL_SMALL_M": EnvOverride(
         "0", "1: tune and use the fused small-M GEMMs for 2..32-row forwards (measured slower per verify step on "
-             "the H200, so off); read again when a forward runs or is captured, so an engine built with 0 after "
-             "the weights were tuned with 1 keeps its verify unfused (side-by-side runs in one process)"),
+             "the H200, so off); rowgrid: no tuning pass, each role runs its tuned batch-1 GEMV once per row (norm, "
+             "SwiGLU and residual folded, PDL; not yet measured on a GPU); read again when a forward runs or is "
+             "captured, so an engine built with 0 after the weights were set up with 1 or rowgrid keeps its verify "
+             "unfused (side-by-side runs in one process)"),
     "TERCEL_SMALL_M_BUCKETS": EnvOverride(
-        "", "with TERCEL_SMALL_M=1: the row buckets the small-M tuner measures, a comma list of 2, 4, 8, 16, 32 "
-            "(default every one; a bs-1 chain of 6 rows needs 8): the others stay unfused"),
+        "", "with TERCEL_SMALL_M=1 or rowgrid: the row buckets the small-M tuner measures or fills, a comma list of "
+            "2, 4, 8, 16, 32 (default every one; a bs-1 chain of 6 rows needs 8): the others stay unfused"),
     "TERCEL_DRAFT_HEAD": EnvOverride(
         "native", "int8: an EAGLE draft's head product reads int8 rows with a per-row scale (kernels/gemv_q8.py; "
                   "half the bytes, SmolLM2's head then fits the GPU's L2; the target verifies, so only the "

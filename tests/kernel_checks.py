@@ -4,6 +4,8 @@ TRITON_INTERPRET=1 PYTHONPATH=. python tests/kernel_checks.py
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import os
 import sys
@@ -274,9 +276,11 @@ def check_gemm_small(device: str, dtype: torch.dtype) -> None:
              (16, 40, 96, GemvConfig(block_n=8, block_k=128, num_warps=8, rowloop=True)),
              (3, 40, 64, GemvConfig(block_n=2, block_k=64, rowloop=True)),
              (7, 40, 96, GemvConfig(block_n=16, block_k=32, dot=True, swap=True)),  # w @ x^T
-             (20, 48, 80, GemvConfig(block_n=32, block_k=16, split_k=2, dot=True, swap=True))]
-    if dtype != torch.float32:  # bf16 under the interpreter is slow: the four kernels, one case each
-        cases = cases[1:3] + cases[4:5] + cases[7:8]
+             (20, 48, 80, GemvConfig(block_n=32, block_k=16, split_k=2, dot=True, swap=True)),
+             (6, 33, 80, GemvConfig(block_n=4, block_k=32, rowgrid=True)),  # the batch-1 kernel per row
+             (5, 40, 96, GemvConfig(block_n=8, block_k=32, split_k=2, rowgrid=True))]
+    if dtype != torch.float32:  # bf16 under the interpreter is slow: the five kernels, one case each
+        cases = cases[1:3] + cases[4:5] + cases[7:8] + cases[10:]
     tol = _tol(dtype) / (4 if dtype == torch.float32 else 2)  # bf16: both sides round the product, then the sum
     for m, n, k, c in cases:
         d = _small_m_case(device, dtype, m, n, k, g)
@@ -295,6 +299,13 @@ def check_gemm_small(device: str, dtype: torch.dtype) -> None:
         x2[0], r2[0] = 3 * x2[0], -r2[0]
         assert torch.equal(gemv(x2, w, c, residual=r2)[1:], added[1:]), (m, c, "rows mixed")
         assert torch.equal(gemv(x2, w, c, norm_weight=nw, eps=1e-5)[1:], normed[1:]), (m, c, "norm rows mixed")
+        if c.rowgrid:  # each row is the batch-1 GEMV of that row, bit for bit (a verify row = its decode)
+            one = dataclasses.replace(c, rowgrid=False)
+            for i in (0, m - 1):
+                assert torch.equal(normed[i:i + 1], gemv(x[i:i + 1].contiguous(), w, one, norm_weight=nw, eps=1e-5))
+                assert torch.equal(added[i:i + 1], gemv(x[i:i + 1].contiguous(), w, one, residual=r[i:i + 1]))
+                assert torch.equal(gemv(gu, w, c, silu=True, residual=r)[i:i + 1],
+                                   gemv(gu[i:i + 1].contiguous(), w, one, silu=True, residual=r[i:i + 1]))
     m, n, k = 6, 40, 96  # norm_after: the rms on the fp32 product, as close to exact as the unfused kernels
     d = _small_m_case(device, dtype, m, n, k, g)
     xd = d["x"].double()
@@ -303,13 +314,15 @@ def check_gemm_small(device: str, dtype: torch.dtype) -> None:
     for c in (GemvConfig(block_n=8, block_k=32, norm_after=True), GemvConfig(block_n=16, block_k=32, norm_after=True,
                                                                             dot=True),
               GemvConfig(block_n=4, block_k=128, norm_after=True, rowloop=True),
-              GemvConfig(block_n=16, block_k=32, norm_after=True, dot=True, swap=True)):
+              GemvConfig(block_n=16, block_k=32, norm_after=True, dot=True, swap=True),
+              GemvConfig(block_n=4, block_k=32, norm_after=True, rowgrid=True)):
         y = gemv(d["x"], d["w"], c, norm_weight=d["nw"], eps=1e-5)
         bound = max(_rel(unfused, exact), 1e-6) * 1.5 + (1e-6 if dtype == torch.float32 else 4e-3)
         assert _rel(y, exact) <= bound, (c, _rel(y, exact), bound)
     for bad in (GemvConfig(block_n=16, block_k=32, split_k=2, norm_after=True), GemvConfig(block_n=8, dot=True),
                 GemvConfig(block_n=4, block_k=64, rowloop=True),  # K = 96 does not fit one 64-wide tile
-                GemvConfig(block_n=16, block_k=32, swap=True)):  # swap transposes a tl.dot product
+                GemvConfig(block_n=16, block_k=32, swap=True),  # swap transposes a tl.dot product
+                GemvConfig(block_n=16, block_k=32, dot=True, rowgrid=True)):  # rowgrid is the batch-1 GEMV
         try:
             gemv(d["x"], d["w"], bad, norm_weight=d["nw"], eps=1e-5)
         except ValueError:

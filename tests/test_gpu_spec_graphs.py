@@ -71,7 +71,17 @@ def _draft_runner(llm):
 
 
 # the kernel variants behind developer switches (off by default until measured): the same checks as the defaults
-SWITCHED = {"verify-rows-rope": dict(TERCEL_VERIFY_ATTN="rope"), "int8-draft-head": dict(TERCEL_DRAFT_HEAD="int8")}
+SWITCHED = {"verify-rows-rope": dict(TERCEL_VERIFY_ATTN="rope"), "int8-draft-head": dict(TERCEL_DRAFT_HEAD="int8"),
+            "small-m-rowgrid": dict(TERCEL_SMALL_M="rowgrid")}
+
+
+def _switch(llm: LLM, switch: str, monkeypatch) -> None:
+    for var, value in SWITCHED[switch].items():
+        monkeypatch.setenv(var, value)
+    if switch == "small-m-rowgrid":  # set at load where the switch is on; the shared target was loaded without
+        from tercel.models.gemv_tuning import rowgrid_rows
+
+        rowgrid_rows(llm.engine.loaded.model)  # tables only: engines with TERCEL_SMALL_M=0 never read them
 
 
 @pytest.mark.parametrize("name", list(ALGOS))
@@ -107,20 +117,18 @@ def fp32(gguf):
 
 # where each switch changes a kernel: causal verify rows (chains, DFLASH's block), the EAGLE draft's head
 SWITCHED_RUNS = [("eagle3-chain", "verify-rows-rope"), ("dflash", "verify-rows-rope"),
-                 ("eagle3-chain", "int8-draft-head")]
+                 ("eagle3-chain", "int8-draft-head"), ("eagle3-chain", "small-m-rowgrid"), ("dflash", "small-m-rowgrid")]
 
 
 @pytest.mark.parametrize("name,switch", SWITCHED_RUNS)
 def test_switched_kernels_graph_equals_eager_bf16(bf16, chats, name, switch, monkeypatch):
-    for var, value in SWITCHED[switch].items():
-        monkeypatch.setenv(var, value)
+    _switch(bf16, switch, monkeypatch)
     test_graph_mode_equals_eager_mode_bf16(bf16, chats, name, monkeypatch)
 
 
 @pytest.mark.parametrize("name,switch", SWITCHED_RUNS + [("eagle3-tree", "int8-draft-head")])
 def test_switched_kernels_fp32_speculative_equals_plain(fp32, chats, name, switch, monkeypatch):
-    for var, value in SWITCHED[switch].items():
-        monkeypatch.setenv(var, value)
+    _switch(fp32, switch, monkeypatch)
     test_fp32_speculative_equals_plain(fp32, chats, name)
 
 

@@ -76,6 +76,17 @@ def test_verify_attention_mode_reads_the_switch(monkeypatch):
         kernels.verify_attention_mode()
 
 
+def test_small_m_mode_reads_the_switch(monkeypatch):
+    monkeypatch.delenv("TERCEL_SMALL_M", raising=False)
+    assert kernels.small_m_mode() == "0" and not kernels.small_m_enabled()
+    for mode in ("1", "rowgrid"):
+        monkeypatch.setenv("TERCEL_SMALL_M", mode)
+        assert kernels.small_m_mode() == mode and kernels.small_m_enabled()
+    monkeypatch.setenv("TERCEL_SMALL_M", "on")
+    with pytest.raises(ValueError, match="TERCEL_SMALL_M='on': use one of 0, 1, rowgrid"):
+        kernels.small_m_enabled()
+
+
 def test_small_m_buckets_reads_the_switch(monkeypatch):
     monkeypatch.delenv("TERCEL_SMALL_M_BUCKETS", raising=False)
     assert kernels.small_m_buckets() == (2, 4, 8, 16, 32)

@@ -81,6 +81,15 @@ def compare_small_m_fused_unfused(device: str, dtype: torch.dtype = torch.float3
         assert model._fused_rows(torch.zeros(1, cfg.hidden_size, device=device, dtype=dtype))
         os.environ["TERCEL_SMALL_M"] = "1"
         _compare_small_m(model, cfg, device, dtype)
+        # rowgrid: no tuning pass; every role's batch-1 choice once per row, the head on its unfused ops
+        from tercel.models.gemv_tuning import rowgrid_rows
+
+        os.environ["TERCEL_SMALL_M"] = "rowgrid"
+        rowgrid_rows(model)
+        layer = model.layers[0]
+        assert layer.self_attn.fused_configs(6)[1] == dataclasses.replace(layer.self_attn.o_fused, rowgrid=True)
+        assert layer.mlp.fused_configs(16)[0].rowgrid and not model.lm_head_fused_rows.get(8, model.lm_head_fused).rowgrid
+        _compare_small_m(model, cfg, device, dtype)
     finally:
         os.environ.pop("TERCEL_SMALL_M", None)
         if saved is not None:
@@ -227,6 +236,33 @@ def test_smol_verify_bf16_tuned_graph_equals_eager(monkeypatch):
             total += w.shape[0]
         assert agree >= 0.9 * total, (t, agree, total)
 
+
+
+@needs_cuda
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_smol_verify_bf16_rowgrid_graph_equals_eager(monkeypatch):
+    """TERCEL_SMALL_M=rowgrid (each role's batch-1 GEMV once per row, no small-M tuning pass): every bucket but
+    the head's is filled, graph replay == eager bit for bit, and the verify agrees with the unfused one within
+    bf16."""
+    from tercel.models.gemv_tuning import tune_model
+
+    monkeypatch.setenv("TERCEL_SMALL_M", "rowgrid")
+    model, cfg = _smol_model(torch.bfloat16)
+    choices = tune_model(model)
+    assert {c.rows for c in choices} == {1}, "rowgrid measures nothing past batch 1"
+    layer = model.layers[0]
+    assert all(c is not None and c.rowgrid for c in layer.self_attn.fused_configs(8) + layer.mlp.fused_configs(8))
+    assert not model.lm_head_fused_rows
+    for t in (2, 8, 16):
+        want, eager, graphed = _runs(model, cfg, t, graph=True)
+        agree = total = 0
+        for g, e, w in zip(graphed, eager, want):
+            assert torch.equal(g, e), t
+            assert float((e - w).norm() / w.norm()) < 3e-2, t
+            agree += int((e.argmax(-1) == w.argmax(-1)).sum())
+            total += w.shape[0]
+        assert agree >= 0.9 * total, (t, agree, total)
 
 if __name__ == "__main__":
     import kernel_checks  # noqa: F401  (under TRITON_INTERPRET=1: patches the interpreter for NumPy 2)

@@ -16,8 +16,9 @@ tercel.dev_overrides:
   TERCEL_L2_PREFETCH=1    decode attention pulls the o_proj weight into L2 while it runs (measured slower
                           on the H200: off by default)
   TERCEL_DECODE_MAX_SPLITS  most split-KV programs per (request, KV head) in decode attention (default 16)
-  TERCEL_SMALL_M=1        tune and use the fused small-M GEMMs for 2..32-row forwards (off by default)
-  TERCEL_SMALL_M_BUCKETS  the row buckets it tunes (e.g. 8; default 2,4,8,16,32)
+  TERCEL_SMALL_M=1        tune and use the fused small-M GEMMs for 2..32-row forwards (off by default);
+                          rowgrid: no tuning pass, each role's batch-1 GEMV once per row
+  TERCEL_SMALL_M_BUCKETS  the row buckets it tunes or fills (e.g. 8; default 2,4,8,16,32)
   TERCEL_PDL              programmatic dependent launch for the decode GEMVs and attention: late (default: the
                           next kernel may launch once every program has finished its main loop), early (alias 1:
                           once every program has passed its wait; measured slower on the H200), 0 (off),
@@ -65,11 +66,24 @@ def fused_decode_enabled() -> bool:
     return env("TERCEL_FUSED_DECODE") != "0"
 
 
+SMALL_M_MODES = ("0", "1", "rowgrid")
+
+
+def small_m_mode() -> str:
+    """TERCEL_SMALL_M: 0 (forwards of 2..SMALL_M_ROWS rows on cuBLAS and the unfused kernels), 1 (tune the fused
+    small-M GEMMs per row bucket at load and use the kept ones), rowgrid (no tuning pass: every role runs its
+    tuned batch-1 GEMV once per row, kernels.gemm_small's rowgrid)."""
+    mode = env("TERCEL_SMALL_M")
+    if mode not in SMALL_M_MODES:
+        raise ValueError(f"TERCEL_SMALL_M={mode!r}: use one of {', '.join(SMALL_M_MODES)}.")
+    return mode
+
+
 def small_m_enabled() -> bool:
-    """TERCEL_SMALL_M=1: tune and use the fused small-M GEMMs for forwards of 2..SMALL_M_ROWS rows (verify,
-    small batches). Off by default: benchmarks/results/verify_probe_h200.json measured the tuned choices
-    slower per verify step than the unfused kernels on the H200."""
-    return env("TERCEL_SMALL_M") == "1"
+    """Forwards of 2..SMALL_M_ROWS rows (verify, small batches) on the fused small-M kernels (TERCEL_SMALL_M 1 or
+    rowgrid). Off by default: benchmarks/results/verify_probe_h200.json measured the tuned choices slower per
+    verify step than the unfused kernels on the H200."""
+    return small_m_mode() != "0"
 
 
 TOPK_ROWS_MAX_K = 16  # the widest top-k of kernels.topk_rows (wider: torch.topk)

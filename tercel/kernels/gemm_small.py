@@ -12,6 +12,10 @@ power of two), so the weight traffic is that of batch-1 decode. Two inner produc
              chunk: K <= BLOCK_K, read before the PDL wait) and reduces it against each row of x in turn: no 3D
              product tile, and every row and result stays in the tile's 2D layout (no trip through shared
              memory per row); the rows' loads are independent and issue together
+  rowgrid    the batch-1 GEMV kernel itself (tercel.kernels.gemv), one program row per row of x: each row's
+             programs stream the weight block as at decode (the rows' programs of one block run side by side, so
+             the block comes from HBM once and from L2 for the other rows); a row's result is bit-equal to its
+             batch-1 GEMV, and the decode path's tuned configs serve it without a small-M tuning pass
 Every fusion of tercel.kernels.gemv comes along, per row and with the same rounding: the RMSNorm
 prologue (the normalised value rounded to the model dtype, times the weight, rounded again; or
 norm_after: no pre-pass over x, the rms applied to the fp32 product), the SwiGLU prologue, the residual
@@ -30,6 +34,7 @@ import triton
 import triton.language as tl
 
 from . import _INTERPRET, ROW_BUCKETS, pdl_mode, row_bucket  # noqa: F401  (ROW_BUCKETS: the BLOCK_M values)
+from .gemv import launch_gemv
 from .split_sum import sum_splits_kernel
 
 
@@ -188,6 +193,9 @@ def _gemm_rows_kernel(X, W, Y, R, NW, M, K, stride_x, stride_w, N, eps, BLOCK_M:
 
 def check_config(config, m: int, k: int, silu: bool, norm: bool) -> None:
     """Refuse what the small-M kernel cannot run, naming the bad value."""
+    if config.rowgrid and (config.dot or config.rowloop):
+        raise ValueError(f"gemm_small: {config} runs the batch-1 GEMV once per row: it needs dot=False and "
+                         f"rowloop=False.")
     if config.rowloop and (config.dot or config.split_k != 1 or config.block_k < k):
         raise ValueError(f"gemm_small: {config} loops over rows against one weight tile: it needs dot=False, "
                          f"split_k=1 and block_k >= K ({k}).")
@@ -216,6 +224,8 @@ def gemm_small(x: torch.Tensor, weight: torch.Tensor, config, *, norm_weight: to
         raise ValueError(f"gemm_small: x of shape {tuple(x.shape)} does not fit a [{n}, {k}] weight (silu={silu}).")
     if residual is not None and (tuple(residual.shape) != (m, n) or not residual.is_contiguous()):
         raise ValueError(f"gemm_small: residual of shape {tuple(residual.shape)} does not fit [{m}, {n}].")
+    if c.rowgrid:
+        return launch_gemv(x, weight, c, norm_weight, eps, silu, residual, out_dtype, row_grid=True)
     block_m = max(row_bucket(m), 16 if c.dot else 1)
     y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if c.rowloop:  # compiled for 8 and 16 rows (the masked rows past m cost their reductions only)

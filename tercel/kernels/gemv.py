@@ -44,14 +44,26 @@ class GemvConfig:
     dot: bool = False  # small-M only (kernels.gemm_small): tensor-core tl.dot, rows padded to 16
     rowloop: bool = False  # small-M only: the batch-1 GEMV of each row against one weight tile (K <= block_k)
     swap: bool = False  # small-M tl.dot only: weight rows as the MMA's M, tokens as its N (wgmma at block_n 64)
+    rowgrid: bool = False  # small-M only: this batch-1 kernel once per row (the rows' programs side by side)
 
 
 @triton.jit
-def _gemv_kernel(X, W, Y, R, NW, K, K_PER_SPLIT, stride_w, N, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_AFTER: tl.constexpr,
-                 SILU: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
+def _gemv_kernel(X, W, Y, R, NW, K, K_PER_SPLIT, stride_w, N, eps, stride_x, M, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                 NORM_AFTER: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr,
+                 ROW_GRID: tl.constexpr):
+    if ROW_GRID:  # row m of M on axis 0, so the programs of one weight block run together (L2 serves the rest)
+        m = tl.program_id(0).to(tl.int64)
+        pid = tl.program_id(1)
+        split = tl.program_id(2)
+        X += m * stride_x
+        Y += m * N  # [M, N] out, or fp32 partials [SPLIT, M, N]
+        R += m * N
+        split_stride = M * N
+    else:
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        split_stride = N
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = rows < N
     cols = tl.arange(0, BLOCK_K)
@@ -107,8 +119,8 @@ def _gemv_kernel(X, W, Y, R, NW, K, K_PER_SPLIT, stride_w, N, eps, BLOCK_N: tl.c
             r = tl.load(R + rows, mask=rm, other=0.0)
             y = (y + r.to(tl.float32)).to(X.dtype.element_ty).to(tl.float32)
         tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rm)
-    else:  # fp32 partials [SPLIT, N]
-        tl.store(Y + split * N + rows, y, mask=rm)
+    else:  # fp32 partials [SPLIT, N] ([SPLIT, M, N] over a row grid)
+        tl.store(Y + split * split_stride + rows, y, mask=rm)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig = GemvConfig(), *,
@@ -129,24 +141,32 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig = GemvConfig(
         raise ValueError(f"gemv: {config} scales by the rms after the product; it needs norm_weight and split_k=1.")
     if x.shape[-1] != (2 * k if silu else k) or not x.is_contiguous():
         raise ValueError(f"gemv: x of shape {tuple(x.shape)} does not fit a [{n}, {k}] weight (silu={silu}).")
-    c = config
-    y = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
+    if residual is not None and (residual.numel() != n or not residual.is_contiguous()):
+        raise ValueError(f"gemv: residual of shape {tuple(residual.shape)} does not fit {n} output rows.")
+    return launch_gemv(x.reshape(1, -1), weight, config, norm_weight, eps, silu, residual, out_dtype, row_grid=False)
+
+
+def launch_gemv(x: torch.Tensor, weight: torch.Tensor, c: GemvConfig, norm_weight: torch.Tensor | None, eps: float,
+                silu: bool, residual: torch.Tensor | None, out_dtype: torch.dtype | None,
+                row_grid: bool) -> torch.Tensor:
+    """The batch-1 kernel on x's rows ([M, K], checked by the caller; M > 1 needs row_grid: one program row per
+    row of x, each the batch-1 GEMV of that row, so a row's result is bit-equal to gemv() on it alone)."""
+    m, (n, k) = x.shape[0], weight.shape
+    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     # each split covers whole BLOCK_K chunks, so only the last chunk of K can be ragged
     per_split = triton.cdiv(triton.cdiv(k, c.split_k), c.block_k) * c.block_k
     splits = triton.cdiv(k, per_split)
-    out = y if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
+    out = y if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     pdl = pdl_mode(x)
     res = residual if residual is not None else y
-    if residual is not None and (residual.numel() != n or not residual.is_contiguous()):
-        raise ValueError(f"gemv: residual of shape {tuple(residual.shape)} does not fit {n} output rows.")
     launch = dict(launch_pdl=True) if pdl else {}
-    _gemv_kernel[(triton.cdiv(n, c.block_n), splits)](
+    blocks = triton.cdiv(n, c.block_n)
+    _gemv_kernel[(m, blocks, splits) if row_grid else (blocks, splits)](
         x, weight, out, res, norm_weight if norm_weight is not None else x, k, per_split, weight.stride(0), n, eps,
-        BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=splits, NORM=norm_weight is not None,
+        x.stride(0), m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=splits, NORM=norm_weight is not None,
         NORM_BLOCK=min(8192, triton.next_power_of_2(k)), NORM_AFTER=c.norm_after, SILU=silu, ADD=residual is not None,
-        PDL=pdl,
-        num_warps=c.num_warps, **launch)
-    if splits > 1:
-        sum_splits_kernel[(triton.cdiv(n, 1024),)](out, y, res, x, n, SPLIT=splits, BLOCK=1024,
-                                                    ADD=residual is not None, PDL=pdl, **launch)
+        PDL=pdl, ROW_GRID=row_grid, num_warps=c.num_warps, **launch)
+    if splits > 1:  # the [SPLIT, M * N] partials: the sum kernel reads them flat
+        sum_splits_kernel[(triton.cdiv(m * n, 1024),)](out, y, res, x, m * n, SPLIT=splits, BLOCK=1024,
+                                                        ADD=residual is not None, PDL=pdl, **launch)
     return y

@@ -141,12 +141,17 @@ def _linear_fn(config: GemvConfig | None, out_dtype: torch.dtype | None = None):
 # (block_k = K rounded up to a power of two), at most 64 fp32 weight values a thread
 # (up to 16 rows, compiled for 8 and 16: each compile costs start-up time)
 SMALL_M_ROWLOOP = ((2, 4), (4, 4), (4, 8))
+# the batch-1 GEMV once per row (rowgrid): the block shapes the batch-1 tuner keeps for small matrices
+SMALL_M_ROWGRID = (GemvConfig(block_n=2, block_k=1024, rowgrid=True), GemvConfig(block_n=4, block_k=512, rowgrid=True),
+                   GemvConfig(block_n=8, block_k=1024, num_warps=8, rowgrid=True))
 
 
 def small_m_candidates(rows: int, k: int | None = None) -> list[GemvConfig]:
     """What tune_role tries for a small-M row bucket of a [N, k] weight (before tune_role's own split and
     norm_after rules); without k, no row-loop configs."""
     out = list(SMALL_M_DOT) + [c for c, most in SMALL_M_BROADCAST if rows <= most]
+    if rows <= 16:
+        out += SMALL_M_ROWGRID
     if k is not None and rows <= 16:
         tile = 1 << max(4, (k - 1).bit_length())
         out += [GemvConfig(block_n=bn, block_k=tile, num_warps=nw, rowloop=True) for bn, nw in SMALL_M_ROWLOOP

@@ -6,13 +6,14 @@ the chosen configs on the layers. The engine calls tune_model once at start on t
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import defaultdict
 
 import torch
 
-from ..kernels import small_m_buckets, small_m_enabled
+from ..kernels import small_m_buckets, small_m_mode
 from ..kernels.gemv import GemvConfig
 from ..kernels.gemv_tune import GemvChoice, small_m_candidates, tune_role, tune_shape
 from .linear import Linear
@@ -21,19 +22,21 @@ from .llama import MLP, Attention, LlamaForCausalLM
 log = logging.getLogger(__name__)
 
 
-def _role_slots(model: torch.nn.Module) -> dict[str, list]:
-    """Per fused role: (module, attribute, weight, the weight's plain choice) of every layer."""
+def _role_slots(model: torch.nn.Module, gpu_only: bool = True) -> dict[str, list]:
+    """Per fused role: (module, attribute, weight, the weight's plain choice) of every layer (gpu_only: of the
+    CUDA weights, the ones a tuner can measure)."""
     # (module, attribute, weight, the weight's plain choice)
     slots: dict[str, list] = {"qkv": [], "o": [], "gate_up": [], "down": [], "lm_head": []}
     for m in model.modules():
         # the fused kernels add no bias: biased layers keep their unfused ops
-        if isinstance(m, Attention) and m.qkv_proj.bias is None and m.o_proj.bias is None and m.qkv_proj.weight.is_cuda:
+        if (isinstance(m, Attention) and m.qkv_proj.bias is None and m.o_proj.bias is None
+                and (m.qkv_proj.weight.is_cuda or not gpu_only)):
             slots["qkv"].append((m, "qkv_fused", m.qkv_proj.weight, m.qkv_proj.gemv))
             slots["o"].append((m, "o_fused", m.o_proj.weight, m.o_proj.gemv))
-        elif isinstance(m, MLP) and m.gate_up_proj.weight.is_cuda and m.gate_up_proj.bias is None:
+        elif isinstance(m, MLP) and (m.gate_up_proj.weight.is_cuda or not gpu_only) and m.gate_up_proj.bias is None:
             slots["gate_up"].append((m, "gate_up_fused", m.gate_up_proj.weight, m.gate_up_proj.gemv))
             slots["down"].append((m, "down_fused", m.down_proj.weight, m.down_proj.gemv))
-        elif isinstance(m, LlamaForCausalLM) and m.lm_head_weight.is_cuda:
+        elif isinstance(m, LlamaForCausalLM) and (m.lm_head_weight.is_cuda or not gpu_only):
             slots["lm_head"].append((m, "lm_head_fused", m.lm_head_weight, m.lm_head_config))
     return slots
 
@@ -74,6 +77,20 @@ def _tune_small_m(model: torch.nn.Module) -> list[GemvChoice]:
             else:
                 table[choice.rows] = choice.config
     return [c for _, c in measured]
+
+
+def rowgrid_rows(model: torch.nn.Module) -> None:
+    """TERCEL_SMALL_M=rowgrid: every row bucket of each role runs that role's batch-1 fused choice once per row
+    (no tuning pass). Roles the batch-1 tuner left unfused stay so, and so does the head: its weight, re-read per
+    row, costs more than cuBLAS's one pass over all the rows."""
+    for role, items in _role_slots(model, gpu_only=False).items():
+        for mod, attr, _, _ in items if role != "lm_head" else ():
+            single, table = getattr(mod, attr), getattr(mod, attr + "_rows")
+            for rows in small_m_buckets():
+                if single is None:
+                    table.pop(rows, None)
+                else:
+                    table[rows] = dataclasses.replace(single, rowgrid=True)
 
 
 HALF = (torch.bfloat16, torch.float16)
@@ -128,7 +145,10 @@ def tune_model(model: torch.nn.Module) -> list[GemvChoice]:
         choices += _tune_fused(model)
     except Exception as e:  # never fatal: the unfused decode stays
         log.warning("fused batch-1 GEMV tuning failed (%s); decode stays unfused", e)
-    if not small_m_enabled():  # opt-in: on the H200 the kept configs made whole verify steps slower
+    mode = small_m_mode()
+    if mode == "rowgrid":
+        rowgrid_rows(model)
+    if mode != "1":  # opt-in: on the H200 the tuned configs made whole verify steps slower
         return _log_choices(choices)
     start = time.perf_counter()
     try:
