@@ -57,7 +57,9 @@ OVERRIDES: dict[str, EnvOverride] = {
     "TERCEL_PDL": EnvOverride(
         "late", "programmatic dependent launch of the decode GEMVs and attention: late (the next kernel may "
                 "launch once every program has finished its main loop), early or 1 (once every program has "
-                "passed its wait), 0 (off), late_norm (late, and the RMSNorm kernel takes part too)"),
+                "passed its wait), 0 (off), late_norm (late, and the RMSNorm kernel takes part too), late_all "
+                "(late_norm, and the split / merge attention, RoPE + store and SwiGLU kernels too: the unfused "
+                "verify layers' launches; not yet measured on a GPU)"),
     "TERCEL_SPEC_CHAIN": EnvOverride(
         "1", "0: greedy EAGLE chains run as separate draft / verify / extend graphs instead of one chained "
              "graph step (side-by-side measurements)"),

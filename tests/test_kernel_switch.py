@@ -53,16 +53,20 @@ def test_pdl_mode_reads_the_switch(monkeypatch):
         is_cuda = True
         device = torch.device("cuda", 0)
 
-    for value, mode in (("0", 0), ("1", 1), ("early", 1), ("late", 2), ("late_norm", 3)):
+    for value, mode, small, norm in (("0", 0, False, False), ("1", 1, False, False), ("early", 1, False, False),
+                                     ("late", 2, False, False), ("late_norm", 3, False, True),
+                                     ("late_all", 4, True, True)):
         monkeypatch.setenv("TERCEL_PDL", value)
         assert kernels.pdl_mode(FakeCuda()) == mode
+        # the small kernels (attention split / merge, RoPE + store, SwiGLU) with late_all, the norm from late_norm
+        assert kernels.pdl_small(FakeCuda()) == small and kernels.pdl_small(FakeCuda(), norm=True) == norm
     monkeypatch.delenv("TERCEL_PDL")
     assert kernels.pdl_mode(FakeCuda()) == 2  # the default
     monkeypatch.setattr(kernels, "_has_pdl", lambda index: False)  # before Hopper
     assert kernels.pdl_mode(FakeCuda()) == 0
     monkeypatch.setenv("TERCEL_PDL", "sometimes")
 
-    with pytest.raises(ValueError, match="TERCEL_PDL='sometimes'.*early, late, late_norm"):
+    with pytest.raises(ValueError, match="TERCEL_PDL='sometimes'.*early, late, late_norm, late_all"):
         kernels.pdl_mode(FakeCuda())
 
 

@@ -22,7 +22,8 @@ tercel.dev_overrides:
   TERCEL_PDL              programmatic dependent launch for the decode GEMVs and attention: late (default: the
                           next kernel may launch once every program has finished its main loop), early (alias 1:
                           once every program has passed its wait; measured slower on the H200), 0 (off),
-                          late_norm (late, and the RMSNorm kernel takes part too: not yet measured)
+                          late_norm (late, and the RMSNorm kernel takes part too: not yet measured), late_all
+                          (late_norm, and the split / merge attention, RoPE + store and SwiGLU kernels too)
 """
 from __future__ import annotations
 
@@ -156,7 +157,15 @@ def _device_index(t: torch.Tensor) -> int:
 
 
 PDL_LATE_NORM = 3
-PDL_MODES = {"0": 0, "early": 1, "1": 1, "late": 2, "late_norm": PDL_LATE_NORM}
+PDL_LATE_ALL = 4
+PDL_MODES = {"0": 0, "early": 1, "1": 1, "late": 2, "late_norm": PDL_LATE_NORM, "late_all": PDL_LATE_ALL}
+
+
+def pdl_small(t: torch.Tensor, norm: bool = False) -> bool:
+    """Whether a small kernel (no weights to stream before its wait) launches with PDL: its launch gap then
+    overlaps the previous kernel's tail. The RMSNorm from late_norm on, the others with late_all."""
+    mode = pdl_mode(t)
+    return mode == PDL_LATE_ALL or (norm and mode == PDL_LATE_NORM)
 
 
 def pdl_mode(t: torch.Tensor) -> int:
@@ -165,11 +174,13 @@ def pdl_mode(t: torch.Tensor) -> int:
     0: off; 1 (early): a kernel lets the next one launch right after its own wait; 2 (late): only after its
     main loop, so the next kernel's blocks take the SMs as this one's leave (early ones sit on slots, and
     land unevenly); 3 (late_norm): late, and the RMSNorm kernel (kernels.fused) launches so too, between
-    the o_proj and gate_up GEMVs that the tuner leaves unfused. Not under the interpreter, nor before Hopper."""
+    the o_proj and gate_up GEMVs that the tuner leaves unfused; 4 (late_all): late_norm, and the split-KV attention,
+    merge, RoPE + store and SwiGLU kernels launch so too (the unfused verify layers' launches).
+    Not under the interpreter, nor before Hopper."""
     if _INTERPRET or not t.is_cuda:
         return 0
     mode = env("TERCEL_PDL")  # late: 4.09 against 4.14 ms per 8B step off (8e60d47)
     if mode not in PDL_MODES:
-        raise ValueError(f"TERCEL_PDL={mode!r}: use one of 0, early, late, late_norm.")
+        raise ValueError(f"TERCEL_PDL={mode!r}: use one of 0, early, late, late_norm, late_all.")
     level = PDL_MODES[mode]
     return level if level and _has_pdl(_device_index(t)) else 0

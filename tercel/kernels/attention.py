@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl_mode
+from . import pdl_mode, pdl_small
 
 LOG2E = 1.4426950408889634
 
@@ -102,13 +102,16 @@ def _decode_split_kernel(Q, KC, VC, BT, SL, O, PO, PL, PF, pf_bytes,
                          stride_ob, stride_oh, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
                          qk_scale, window,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr):
+                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
+                         PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     if PREFETCH:
         pid = (tl.program_id(0) * tl.num_programs(1) + kvh) * NUM_SPLITS + split
         _prefetch_l2(PF, pf_bytes, pid, tl.num_programs(0) * tl.num_programs(1) * NUM_SPLITS, 128)
+    if PDL:  # the queries, keys and lengths may come from the previous kernel
+        tl.extra.cuda.gdc_wait()
     seq_len = tl.load(SL + b).to(tl.int32)
     per = tl.cdiv(seq_len, NUM_SPLITS)
     start = split * per
@@ -122,23 +125,29 @@ def _decode_split_kernel(Q, KC, VC, BT, SL, O, PO, PL, PF, pf_bytes,
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
     m_i, l_i, acc = _attend_keys(q, KC, VC, BT, b, kvh, start, end, stride_kcs, stride_kch, stride_vcs, stride_vch,
                                  stride_bt, qk_scale, GROUP_PAD, HEAD_DIM, PAGE, BLOCK_N, IEEE)
+    if PDL:  # the keys and values are read
+        tl.extra.cuda.gdc_launch_dependents()
     _store_split(m_i, l_i, acc, O, PO, PL, b, heads, gm, d, split, stride_ob, stride_oh, stride_pob, stride_poh,
                  stride_pos, stride_plb, stride_plh, NUM_SPLITS)
 
 
 @triton.jit
 def _decode_merge_kernel(PO, PL, O, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
-                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
     sm = s < NUM_SPLITS
+    if PDL:  # the partials are the previous kernel's
+        tl.extra.cuda.gdc_wait()
     lse = tl.load(PL + b * stride_plb + h * stride_plh + s, mask=sm, other=float("-inf"))
     mx = tl.max(lse, 0)
     w = tl.where(sm & (lse > float("-inf")), tl.exp2(lse - mx), 0.0)
     po = tl.load(PO + b * stride_pob + h * stride_poh + s[:, None] * stride_pos + d[None, :], mask=sm[:, None],
                  other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     out = tl.sum(po * w[:, None], 0) / tl.sum(w, 0)
     tl.store(O + b * stride_ob + h * stride_oh + d, out.to(O.dtype.element_ty))
 
@@ -178,6 +187,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_o, part_l = out, out  # unused
     block_n = 64 if dim <= 128 else 32
     pf, pf_bytes, pf_on = _prefetch_args(prefetch, q)
+    pdl = pdl_small(q)
+    launch = dict(launch_pdl=True) if pdl else {}
     _decode_split_kernel[(bsz, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_l, pf, pf_bytes,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -187,14 +198,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_l.stride(1) if num_splits > 1 else 0,
         scale * LOG2E, window or 0,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, PAGE=page_size,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, PREFETCH=pf_on, num_warps=4,
-        num_stages=2)
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, PREFETCH=pf_on, PDL=pdl,
+        num_warps=4, num_stages=2, **launch)
     if num_splits > 1:
-        _decode_merge_kernel[(bsz, heads)](
-            part_o, part_l, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0),
-            part_l.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=dim, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
+        _merge(part_o, part_l, out, pdl)
     return out
+
+
+def _merge(part_o: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor, pdl: bool) -> None:
+    """The split-KV partials [B, H, S, D] / [B, H, S] merged into out [B, H, D] (a launch of its own)."""
+    bsz, heads, splits, dim = part_o.shape
+    _decode_merge_kernel[(bsz, heads)](
+        part_o, part_l, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
+        out.stride(0), out.stride(1), HEAD_DIM=dim, NUM_SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+        PDL=pdl, num_warps=4, **(dict(launch_pdl=True) if pdl else {}))
 
 
 def decode_attention_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -219,7 +236,7 @@ def decode_attention_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         part_l.stride(1), scale * LOG2E, 0,
         GROUP=heads // kv_heads, GROUP_PAD=max(16, triton.next_power_of_2(heads // kv_heads)), HEAD_DIM=dim,
         PAGE=page_size, BLOCK_N=64 if dim <= 128 else 32, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,
-        PREFETCH=False, num_warps=4, num_stages=2)
+        PREFETCH=False, PDL=False, num_warps=4, num_stages=2)
     return part_o, part_l
 
 
@@ -496,7 +513,5 @@ def decode_attention_rope(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, 
         T_PAD=t_pad, num_warps=4,
         num_stages=2, **(dict(launch_pdl=True) if pdl else {}))
     if num_splits > 1 and not merge_in_kernel:
-        _decode_merge_kernel[(bsz, heads)](
-            part_o, part_l, out, *po_strides, *pl_strides, out.stride(0), out.stride(1),
-            HEAD_DIM=dim, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
+        _merge(part_o, part_l, out, pdl_small(qk))
     return out

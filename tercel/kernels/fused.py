@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import PDL_LATE_NORM, pdl_mode
+from . import pdl_small
 
 
 @triton.jit
@@ -50,7 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty_like(x2)
     n = x2.shape[-1]
     if x2.shape[0]:
-        pdl = pdl_mode(x2) == PDL_LATE_NORM  # only late_norm launches the norm with PDL
+        pdl = pdl_small(x2, norm=True)
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, x2.stride(0), x2.stride(0), y.stride(0), y.stride(0),
                                          n, eps, HAS_RES=False, BLOCK=triton.next_power_of_2(n), PDL=pdl, num_warps=4,
                                          **(dict(launch_pdl=True) if pdl else {}))
@@ -65,7 +65,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     r_out = torch.empty_like(x2)
     n = x2.shape[-1]
     if x2.shape[0]:
-        pdl = pdl_mode(x2) == PDL_LATE_NORM
+        pdl = pdl_small(x2, norm=True)
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, r_out, x2.stride(0), r2.stride(0), y.stride(0),
                                          r_out.stride(0), n, eps, HAS_RES=True, BLOCK=triton.next_power_of_2(n),
                                          PDL=pdl, num_warps=4, **(dict(launch_pdl=True) if pdl else {}))
@@ -73,12 +73,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
-def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_cols
+    if PDL:  # nothing read or written before the previous kernel is done
+        tl.extra.cuda.gdc_wait()
     g = tl.load(GU + row * stride_gu + offs, mask=m, other=0.0)
     u = tl.load(GU + row * stride_gu + n_cols + offs, mask=m, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     gf = g.to(tl.float32)
     s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
     tl.store(OUT + row * stride_o + offs, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=m)
@@ -91,8 +95,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2.shape[0], n), dtype=x2.dtype, device=x2.device)
     block = min(1024, triton.next_power_of_2(n))
     if x2.shape[0]:
+        pdl = pdl_small(x2)
         _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), out.stride(0), n, BLOCK=block,
-                                                              num_warps=4)
+                                                              PDL=pdl, num_warps=4,
+                                                              **(dict(launch_pdl=True) if pdl else {}))
     return out.view(*gate_up.shape[:-1], n)
 
 
@@ -101,11 +107,13 @@ def _rope_store_kernel(QK, V, COS, SIN, LOC, QOUT, KC, VC,
                        stride_qkt, stride_qkh, stride_vt, stride_vh, stride_ct, stride_st,
                        stride_qot, stride_qoh, stride_kcs, stride_kch, stride_vcs, stride_vch,
                        NQ: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_HV: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_HV: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, HALF)
     hm = h < NQ + NKV
+    if PDL:  # nothing read or written before the previous kernel is done
+        tl.extra.cuda.gdc_wait()
     base = QK + t * stride_qkt + h[:, None] * stride_qkh + d[None, :]
     x1 = tl.load(base, mask=hm[:, None], other=0.0)
     x2 = tl.load(base + HALF, mask=hm[:, None], other=0.0)
@@ -130,6 +138,8 @@ def _rope_store_kernel(QK, V, COS, SIN, LOC, QOUT, KC, VC,
     vm = hv < NKV
     dv = tl.arange(0, 2 * HALF)
     vals = tl.load(V + t * stride_vt + hv[:, None] * stride_vh + dv[None, :], mask=vm[:, None], other=0.0)
+    if PDL:  # every input is read
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(VC + loc * stride_vcs + hv[:, None] * stride_vch + dv[None, :], vals, mask=vm[:, None])
 
 
@@ -147,11 +157,12 @@ def rope_store(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.
     cos2, sin2 = cos.reshape(t, -1), sin.reshape(t, -1)
     q_out = torch.empty((t, num_heads, dim), dtype=qk.dtype, device=qk.device)
     if t:
+        pdl = pdl_small(qk)
         _rope_store_kernel[(t,)](
             qk, v, cos2, sin2, out_cache_loc, q_out, k_cache, v_cache,
             qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), cos2.stride(0), sin2.stride(0),
             q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
             v_cache.stride(1),
             NQ=num_heads, NKV=nkv, HALF=dim // 2, BLOCK_H=triton.next_power_of_2(heads),
-            BLOCK_HV=triton.next_power_of_2(nkv), num_warps=4)
+            BLOCK_HV=triton.next_power_of_2(nkv), PDL=pdl, num_warps=4, **(dict(launch_pdl=True) if pdl else {}))
     return q_out
