@@ -5,7 +5,6 @@ TRITON_INTERPRET=1 PYTHONPATH=. python tests/kernel_checks.py
 from __future__ import annotations
 
 import dataclasses
-
 import math
 import os
 import sys
@@ -912,11 +911,66 @@ def check_draft_rope_attention(device: str, dtype: torch.dtype) -> None:
     os.environ.pop("TERCEL_VERIFY_ATTN")
 
 
+
+def check_draft_mlp_fused(device: str, dtype: torch.dtype) -> None:
+    """An EAGLE-3 draft layer whose MLP takes the fused GEMVs (gemv_tuning.tune_draft: the post-attention norm
+    in gate_up's prologue, SwiGLU and the residual add around down) gives the unfused layer's hidden states: one
+    row (the chain's draft steps) and, with TERCEL_SMALL_M=rowgrid, three (draft_extend's rows)."""
+    import tempfile
+    from pathlib import Path
+
+    from graph_utils import TINY, FakeRequests
+
+    from tercel.attention.triton_backend import TritonAttentionBackend
+    from tercel.config import ModelConfig
+    from tercel.kernels.gemv import GemvConfig
+    from tercel.kv import PagedKVCache
+    from tercel.loader.drafts import load_eagle_draft
+    from tercel.models.gemv_tuning import rowgrid_rows
+    from tercel.speculative.eagle_steps import BackendAttend
+    from tercel.train.export import random_eagle3
+
+    cfg = ModelConfig.from_hf_dict(TINY)
+    g = torch.Generator(device="cpu").manual_seed(41)
+    with tempfile.TemporaryDirectory() as d:
+        head = random_eagle3(Path(d) / "head", cfg, draft_vocab_size=128, aux_layer_ids=(0, 1, 2), std=0.3)
+        draft = load_eagle_draft(head, cfg, dtype, torch.device(device), 512)
+    draft.share_target(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g).to(device, dtype),
+                       torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g).to(device, dtype))
+    lc = draft.config.layers
+    backend = TritonAttentionBackend(lc.num_heads, lc.num_kv_heads, lc.head_dim, None)
+    mlp = draft.midlayer.mlp
+    mlp.gate_up_fused, mlp.down_fused = GemvConfig(block_n=8, block_k=32), GemvConfig(block_n=4, block_k=64)
+    saved = {k: os.environ.pop(k, None) for k in ("TERCEL_SMALL_M", "TERCEL_FUSED_DECODE")}
+    try:
+        for requests, small_m in ((1, "0"), (3, "rowgrid")):
+            os.environ["TERCEL_SMALL_M"] = small_m
+            rowgrid_rows(draft)  # the rows tables (read only when TERCEL_SMALL_M is on)
+            kv = PagedKVCache(draft.kv_spec(4, dtype), 64, torch.device(device))
+            kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+            kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+            batch = FakeRequests(requests, kv, cfg.vocab_size).batch(list(range(requests)), 1)
+            hidden = torch.randn(requests, draft.config.fc_in, generator=g).to(device, dtype)
+            out = {}
+            for fused in ("1", "0"):
+                os.environ["TERCEL_FUSED_DECODE"] = fused
+                kv_run = PagedKVCache(draft.kv_spec(4, dtype), 64, torch.device(device))
+                kv_run.k.copy_(kv.k)
+                kv_run.v.copy_(kv.v)
+                attend = BackendAttend(backend, batch, backend.prepare(batch, kv.block_size), kv_run)
+                out[fused] = draft(batch.input_ids, hidden, batch.positions, attend, from_target=True)
+            assert _rel(out["1"], out["0"]) < _tol(dtype) / 4, (requests, _rel(out["1"], out["0"]))
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+
 ALL = [check_race, check_argmax, check_norms, check_rope_store, check_decode, check_extend, check_gemv,
        check_gemv_fused, check_gemm_small, check_gemv_q8, check_decode_rope, check_rows_rope,
        check_tree_draft_attention, check_dflash_paged_attention, check_chain_accept, check_stream_keys,
        check_sample_filter, check_tree_accept, check_ddtree_beams, check_race_logits,
-       check_topk_rows, check_draft_rope_attention]
+       check_topk_rows, check_draft_rope_attention, check_draft_mlp_fused]
 
 
 def run_in_interpreter(check: str, timeout: int = 300) -> None:

@@ -149,10 +149,16 @@ def test_draft_tuner_measures_every_draft_linear_and_keeps_its_products(tmp_path
     draft = load_eagle_draft(head, cfg, torch.bfloat16, torch.device("cuda"), 64)
     linears = [m for m in draft.modules() if isinstance(m, Linear) and m.bias is None]
     choices = tune_draft(draft)
-    assert {c.shape for c in choices} == {tuple(m.weight.shape) for m in linears}
+    plain = [c for c in choices if c.role == "plain"]
+    assert {c.shape for c in plain} == {tuple(m.weight.shape) for m in linears}
     assert all(c.rows == 1 for c in choices)
     for m in linears:
-        assert m.gemv == next(c.config for c in choices if c.shape == tuple(m.weight.shape))
+        assert m.gemv == next(c.config for c in plain if c.shape == tuple(m.weight.shape))
+    if any(c.config is not None for c in plain):  # then the MLP's fused roles were measured and set as kept
+        mlp = draft.midlayer.mlp
+        fused = {c.role: c.config for c in choices if c.role != "plain"}
+        assert set(fused) == {"gate_up", "down"}
+        assert (mlp.gate_up_fused, mlp.down_fused) == (fused["gate_up"], fused["down"])
         x = torch.randn(1, m.weight.shape[1], device="cuda", dtype=torch.bfloat16)
         torch.testing.assert_close(m(x).float(), F.linear(x, m.weight).float(), atol=2e-2, rtol=2e-2)
 

@@ -117,7 +117,8 @@ def fp32(gguf):
 
 # where each switch changes a kernel: causal verify rows (chains, DFLASH's block), the EAGLE draft's head
 SWITCHED_RUNS = [("eagle3-chain", "verify-rows-rope"), ("dflash", "verify-rows-rope"),
-                 ("eagle3-chain", "int8-draft-head"), ("eagle3-chain", "small-m-rowgrid"), ("dflash", "small-m-rowgrid"),
+                 ("eagle3-chain", "int8-draft-head"), ("eagle3-chain", "small-m-rowgrid"),
+                 ("dflash", "small-m-rowgrid"),
                  ("eagle3-chain", "pdl-late-all"), ("eagle3-tree", "pdl-late-all")]
 
 

@@ -5,7 +5,7 @@ step's acceptance and next state (kernels/chain_accept.py), the chained tree ste
 picks' race on logits (kernels/race.py) and its filters (kernels/sample_filter.py), the tree drafts' top k of a
 softmax (kernels/topk_rows.py); an EAGLE draft layer's RoPE and K/V store inside the attention backend's kernels;
 a verify block's rows in the one-launch decode attention (RoPE, K/V store and attention in one kernel);
-the draft head's product over int8 rows (kernels/gemv_q8.py)."""
+the draft head's product over int8 rows (kernels/gemv_q8.py); an EAGLE-3 draft MLP on the fused GEMVs."""
 from __future__ import annotations
 
 import importlib.util
@@ -18,6 +18,6 @@ from kernel_checks import run_in_interpreter
 @pytest.mark.parametrize("check", ["check_chain_accept", "check_stream_keys", "check_sample_filter",
                                    "check_tree_accept", "check_ddtree_beams", "check_race_logits",
                                    "check_topk_rows", "check_draft_rope_attention", "check_rows_rope",
-                                   "check_gemv_q8"])
+                                   "check_gemv_q8", "check_draft_mlp_fused"])
 def test_the_one_launch_kernel_equals_the_torch_ops(check):
     run_in_interpreter(check)

@@ -210,8 +210,9 @@ def _merge(part_o: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor, pdl: b
     bsz, heads, splits, dim = part_o.shape
     _decode_merge_kernel[(bsz, heads)](
         part_o, part_l, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
-        out.stride(0), out.stride(1), HEAD_DIM=dim, NUM_SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
-        PDL=pdl, num_warps=4, **(dict(launch_pdl=True) if pdl else {}))
+        out.stride(0), out.stride(1), HEAD_DIM=dim, NUM_SPLITS=splits,
+        SPLITS_PAD=max(2, triton.next_power_of_2(splits)), PDL=pdl, num_warps=4,
+        **(dict(launch_pdl=True) if pdl else {}))
 
 
 def decode_attention_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError, ModelConfig
+from ..kernels import SMALL_M_ROWS
 from ..kv import KVCacheSpec
 from .linear import Linear, prepack_for_cpu
 from .llama import MLP, Attention, RMSNorm
@@ -121,6 +122,17 @@ def attention(attn: Attention, x: torch.Tensor, cos_sin: tuple[torch.Tensor, tor
         return attn.o_proj(rope(attn.layer, qk, v, cos_sin))
     qk = apply_rope(qk, *cos_sin)
     return attn.o_proj(attend(attn.layer, qk[:, :attn.num_heads], qk[:, attn.num_heads:], v))
+
+
+def _mlp_fused(mlp: MLP, h: torch.Tensor) -> bool:
+    """The draft MLP's fused GEMVs serve h's rows: the GPU's kernels, and the tuner (gemv_tuning.tune_draft) kept
+    both of its roles for that row count."""
+    from ..kernels import fused_decode_enabled, small_m_enabled, use_triton
+
+    m = h.shape[0] if h.dim() == 2 else 0
+    if not (1 <= m <= SMALL_M_ROWS and use_triton(h) and fused_decode_enabled()) or (m > 1 and not small_m_enabled()):
+        return False
+    return all(c is not None for c in mlp.fused_configs(h.shape[0]))
 
 
 class Eagle3Layer(nn.Module):
@@ -254,8 +266,11 @@ class EagleDraftModel(nn.Module):
             h = self.fc(hidden) if from_target else hidden
             layer = self.midlayer
             x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(h)], dim=-1)
+            a = attention(layer.self_attn, x, cos_sin, attend)
+            if _mlp_fused(layer.mlp, h):  # the norm, SwiGLU and residual add in the MLP's two GEMVs
+                return layer.mlp.forward_fused(a + h, layer.post_attention_layernorm)
             # the residual add rides in the norm's launch on a GPU (add_forward)
-            x, h = layer.post_attention_layernorm.add_forward(attention(layer.self_attn, x, cos_sin, attend), h)
+            x, h = layer.post_attention_layernorm.add_forward(a, h)
             return h + layer.mlp(x)
         h = self.fc(torch.cat([emb, hidden], dim=-1))
         for layer in self.layers:

@@ -41,11 +41,14 @@ def _role_slots(model: torch.nn.Module, gpu_only: bool = True) -> dict[str, list
     return slots
 
 
-def _tune_fused(model: torch.nn.Module) -> list[GemvChoice]:
-    """Measure and set the fused decode roles of a Llama-family model (nothing for other models)."""
+def _tune_fused(model: torch.nn.Module, roles: tuple[str, ...] | None = None) -> list[GemvChoice]:
+    """Measure and set the fused decode roles of a Llama-family model (nothing for other models); roles: only
+    these."""
     slots = _role_slots(model)
     measured = []
     for role, items in slots.items():
+        if roles is not None and role not in roles:
+            continue
         by_shape: dict[tuple[tuple[int, int], GemvConfig | None], list] = defaultdict(list)
         for item in items:
             by_shape[(tuple(item[2].shape), item[3])].append(item)
@@ -118,11 +121,20 @@ def _set_linears(measured: list[tuple[list[Linear], GemvChoice]]) -> None:
 @torch.inference_mode()
 def tune_draft(model: torch.nn.Module) -> list[GemvChoice]:
     """A draft model's one-row linears (an EAGLE chain's draft steps at batch 1): each bias-free bf16 / fp16
-    Linear shape gets the Triton GEMV where it measures faster than cuBLAS. Its head, when it is the target's,
-    was tuned with the target."""
+    Linear shape gets the Triton GEMV where it measures faster than cuBLAS, and its MLP the fused GEMVs (norm,
+    SwiGLU and the residual add folded) where they measure faster. Its head, when it is the target's, was tuned
+    with the target."""
     measured = _measure_linears(model, half_only=True)  # a wider (fp32) draft keeps cuBLAS
     _set_linears(measured)
-    return _log_choices([c for _, c in measured], "draft ")
+    choices = [c for _, c in measured]
+    if any(c.config is not None for c in choices):  # a half-precision draft: its MLP folds as the target's does
+        try:  # (the attention's input is two norms side by side: no fused role)
+            choices += _tune_fused(model, roles=("gate_up", "down"))
+        except Exception as e:  # never fatal: the draft's MLP stays unfused
+            log.warning("fused draft MLP tuning failed (%s); the draft MLP stays unfused", e)
+        if small_m_mode() == "rowgrid":  # its several-row forwards (draft_extend) as the target's verify
+            rowgrid_rows(model)
+    return _log_choices(choices, "draft ")
 
 
 @torch.inference_mode()
