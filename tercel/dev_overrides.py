@@ -39,6 +39,9 @@ OVERRIDES: dict[str, EnvOverride] = {
         "native", "int8: an EAGLE draft's head product reads int8 rows with a per-row scale (kernels/gemv_q8.py; "
                   "half the bytes, SmolLM2's head then fits the GPU's L2; the target verifies, so only the "
                   "proposals can change); native: the head in the draft's dtype"),
+    "TERCEL_DRAFT_FUSED_MLP": EnvOverride(
+        "0", "1: the EAGLE-3 draft's MLP on the fused GEMVs where tune_draft measures them faster (norm, SwiGLU and "
+             "the residual add folded: 3 launches a draft step for 5); not yet measured on a GPU, so off"),
     "TERCEL_DRAFT_PAGED_PREFIX": EnvOverride(
         "1", "0: the EAGLE tree draft loop and DFlash's block gather every prefix slot the block table can hold and "
              "run SDPA over them (the CPU's path), instead of the split-KV decode kernel over each request's own "

@@ -134,7 +134,7 @@ def test_tuner_sets_every_role_and_keeps_the_logits(dtype):
 
 @needs_cuda
 @torch.inference_mode()
-def test_draft_tuner_measures_every_draft_linear_and_keeps_its_products(tmp_path):
+def test_draft_tuner_measures_every_draft_linear_and_keeps_its_products(tmp_path, monkeypatch):
     """tune_draft (an EAGLE chain's one-row draft steps) measures each bias-free draft Linear shape once and
     sets what it keeps; every draft Linear still computes cuBLAS's one-row product."""
     import torch.nn.functional as F
@@ -148,6 +148,7 @@ def test_draft_tuner_measures_every_draft_linear_and_keeps_its_products(tmp_path
     head = random_eagle3(tmp_path / "head", cfg, draft_vocab_size=cfg.vocab_size // 2, aux_layer_ids=(0, 1, 2))
     draft = load_eagle_draft(head, cfg, torch.bfloat16, torch.device("cuda"), 64)
     linears = [m for m in draft.modules() if isinstance(m, Linear) and m.bias is None]
+    monkeypatch.setenv("TERCEL_DRAFT_FUSED_MLP", "1")
     choices = tune_draft(draft)
     plain = [c for c in choices if c.role == "plain"]
     assert {c.shape for c in plain} == {tuple(m.weight.shape) for m in linears}

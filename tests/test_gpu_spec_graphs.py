@@ -72,7 +72,8 @@ def _draft_runner(llm):
 
 # the kernel variants behind developer switches (off by default until measured): the same checks as the defaults
 SWITCHED = {"verify-rows-rope": dict(TERCEL_VERIFY_ATTN="rope"), "int8-draft-head": dict(TERCEL_DRAFT_HEAD="int8"),
-            "small-m-rowgrid": dict(TERCEL_SMALL_M="rowgrid"), "pdl-late-all": dict(TERCEL_PDL="late_all")}
+            "small-m-rowgrid": dict(TERCEL_SMALL_M="rowgrid"), "pdl-late-all": dict(TERCEL_PDL="late_all"),
+            "draft-fused-mlp": dict(TERCEL_DRAFT_FUSED_MLP="1")}
 
 
 def _switch(llm: LLM, switch: str, monkeypatch) -> None:
@@ -119,7 +120,7 @@ def fp32(gguf):
 SWITCHED_RUNS = [("eagle3-chain", "verify-rows-rope"), ("dflash", "verify-rows-rope"),
                  ("eagle3-chain", "int8-draft-head"), ("eagle3-chain", "small-m-rowgrid"),
                  ("dflash", "small-m-rowgrid"),
-                 ("eagle3-chain", "pdl-late-all"), ("eagle3-tree", "pdl-late-all")]
+                 ("eagle3-chain", "pdl-late-all"), ("eagle3-tree", "pdl-late-all"), ("eagle3-chain", "draft-fused-mlp")]
 
 
 @pytest.mark.parametrize("name,switch", SWITCHED_RUNS)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import _INTERPRET, ROW_BUCKETS, pdl_mode, row_bucket  # noqa: F401  (ROW_BUCKETS: the BLOCK_M values)
-from .gemv import launch_gemv
+from .gemv_kernel import launch_gemv
 from .split_sum import sum_splits_kernel
 
 

@@ -13,6 +13,7 @@ from collections import defaultdict
 
 import torch
 
+from ..dev_overrides import env
 from ..kernels import small_m_buckets, small_m_mode
 from ..kernels.gemv import GemvConfig
 from ..kernels.gemv_tune import GemvChoice, small_m_candidates, tune_role, tune_shape
@@ -127,7 +128,7 @@ def tune_draft(model: torch.nn.Module) -> list[GemvChoice]:
     measured = _measure_linears(model, half_only=True)  # a wider (fp32) draft keeps cuBLAS
     _set_linears(measured)
     choices = [c for _, c in measured]
-    if any(c.config is not None for c in choices):  # a half-precision draft: its MLP folds as the target's does
+    if env("TERCEL_DRAFT_FUSED_MLP") == "1" and any(c.config is not None for c in choices):  # as the target's
         try:  # (the attention's input is two norms side by side: no fused role)
             choices += _tune_fused(model, roles=("gate_up", "down"))
         except Exception as e:  # never fatal: the draft's MLP stays unfused
