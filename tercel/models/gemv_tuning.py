@@ -122,9 +122,9 @@ def _set_linears(measured: list[tuple[list[Linear], GemvChoice]]) -> None:
 @torch.inference_mode()
 def tune_draft(model: torch.nn.Module) -> list[GemvChoice]:
     """A draft model's one-row linears (an EAGLE chain's draft steps at batch 1): each bias-free bf16 / fp16
-    Linear shape gets the Triton GEMV where it measures faster than cuBLAS, and its MLP the fused GEMVs (norm,
-    SwiGLU and the residual add folded) where they measure faster. Its head, when it is the target's, was tuned
-    with the target."""
+    Linear shape gets the Triton GEMV where it measures faster than cuBLAS; with TERCEL_DRAFT_FUSED_MLP=1 its MLP
+    also the fused GEMVs (norm, SwiGLU and the residual add folded) where they measure faster. Its head, when it
+    is the target's, was tuned with the target."""
     measured = _measure_linears(model, half_only=True)  # a wider (fp32) draft keeps cuBLAS
     _set_linears(measured)
     choices = [c for _, c in measured]
