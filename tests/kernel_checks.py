@@ -862,32 +862,41 @@ def check_topk_rows(device: str, dtype: torch.dtype) -> None:
         assert cols[0, :2].tolist() == sorted([9, 4000 % v])[:k] and cols[1, 0] == v - 1, (r, v, k, cols)
 
 
-def check_draft_rope_attention(device: str, dtype: torch.dtype) -> None:
-    """An EAGLE-3 draft layer through the Triton backend with RoPE and the K/V store in the backend's kernels
-    (eagle_steps.BackendAttend.rope: one-row decode batches in the split-KV kernel, several rows through
-    rope_store or, with TERCEL_VERIFY_ATTN=rope, the split-KV kernel's verify rows) gives the unfused path
-    (apply_rope, then backend.forward): the same hidden states and draft KV."""
+def _tiny_eagle3_draft(device: str, dtype: torch.dtype, seed: int):
+    """(target config, a random EAGLE-3 draft for the tiny target sharing a random embedding and head, the Triton
+    attention backend for its layer, a generator for the caller's inputs)."""
     import tempfile
     from pathlib import Path
 
-    from graph_utils import TINY, FakeRequests
+    from graph_utils import TINY
 
     from tercel.attention.triton_backend import TritonAttentionBackend
     from tercel.config import ModelConfig
-    from tercel.kv import PagedKVCache
     from tercel.loader.drafts import load_eagle_draft
-    from tercel.speculative.eagle_steps import BackendAttend
     from tercel.train.export import random_eagle3
 
     cfg = ModelConfig.from_hf_dict(TINY)
-    g = torch.Generator(device="cpu").manual_seed(31)
+    g = torch.Generator(device="cpu").manual_seed(seed)
     with tempfile.TemporaryDirectory() as d:
         head = random_eagle3(Path(d) / "head", cfg, draft_vocab_size=128, aux_layer_ids=(0, 1, 2), std=0.3)
         draft = load_eagle_draft(head, cfg, dtype, torch.device(device), 512)
     draft.share_target(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g).to(device, dtype),
                        torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g).to(device, dtype))
     lc = draft.config.layers
-    backend = TritonAttentionBackend(lc.num_heads, lc.num_kv_heads, lc.head_dim, None)
+    return cfg, draft, TritonAttentionBackend(lc.num_heads, lc.num_kv_heads, lc.head_dim, None), g
+
+
+def check_draft_rope_attention(device: str, dtype: torch.dtype) -> None:
+    """An EAGLE-3 draft layer through the Triton backend with RoPE and the K/V store in the backend's kernels
+    (eagle_steps.BackendAttend.rope: one-row decode batches in the split-KV kernel, several rows through
+    rope_store or, with TERCEL_VERIFY_ATTN=rope, the split-KV kernel's verify rows) gives the unfused path
+    (apply_rope, then backend.forward): the same hidden states and draft KV."""
+    from graph_utils import FakeRequests
+
+    from tercel.kv import PagedKVCache
+    from tercel.speculative.eagle_steps import BackendAttend
+
+    cfg, draft, backend, g = _tiny_eagle3_draft(device, dtype, 31)
     assert backend.fuses_rope
     # decode rows (RoPE in the split kernel), then verify-like rows: rope_store before the split kernel, or
     # (TERCEL_VERIFY_ATTN=rope) in it
@@ -916,29 +925,14 @@ def check_draft_mlp_fused(device: str, dtype: torch.dtype) -> None:
     """An EAGLE-3 draft layer whose MLP takes the fused GEMVs (gemv_tuning.tune_draft: the post-attention norm
     in gate_up's prologue, SwiGLU and the residual add around down) gives the unfused layer's hidden states: one
     row (the chain's draft steps) and, with TERCEL_SMALL_M=rowgrid, three (draft_extend's rows)."""
-    import tempfile
-    from pathlib import Path
+    from graph_utils import FakeRequests
 
-    from graph_utils import TINY, FakeRequests
-
-    from tercel.attention.triton_backend import TritonAttentionBackend
-    from tercel.config import ModelConfig
     from tercel.kernels.gemv import GemvConfig
     from tercel.kv import PagedKVCache
-    from tercel.loader.drafts import load_eagle_draft
     from tercel.models.gemv_tuning import rowgrid_rows
     from tercel.speculative.eagle_steps import BackendAttend
-    from tercel.train.export import random_eagle3
 
-    cfg = ModelConfig.from_hf_dict(TINY)
-    g = torch.Generator(device="cpu").manual_seed(41)
-    with tempfile.TemporaryDirectory() as d:
-        head = random_eagle3(Path(d) / "head", cfg, draft_vocab_size=128, aux_layer_ids=(0, 1, 2), std=0.3)
-        draft = load_eagle_draft(head, cfg, dtype, torch.device(device), 512)
-    draft.share_target(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g).to(device, dtype),
-                       torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g).to(device, dtype))
-    lc = draft.config.layers
-    backend = TritonAttentionBackend(lc.num_heads, lc.num_kv_heads, lc.head_dim, None)
+    cfg, draft, backend, g = _tiny_eagle3_draft(device, dtype, 41)
     mlp = draft.midlayer.mlp
     mlp.gate_up_fused, mlp.down_fused = GemvConfig(block_n=8, block_k=32), GemvConfig(block_n=4, block_k=64)
     saved = {k: os.environ.pop(k, None) for k in ("TERCEL_SMALL_M", "TERCEL_FUSED_DECODE")}
