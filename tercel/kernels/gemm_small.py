@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import _INTERPRET, ROW_BUCKETS, pdl_mode, row_bucket  # noqa: F401  (ROW_BUCKETS: the BLOCK_M values)
-from .gemv_kernel import launch_gemv
+from .gemv_kernel import launch_gemv, weight_tile_start
 from .split_sum import sum_splits_kernel
 
 
@@ -68,22 +68,12 @@ def _gemm_small_kernel(X, W, Y, R, NW, M, K, K_PER_SPLIT, stride_x, stride_w, N,
                        NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_AFTER: tl.constexpr, SILU: tl.constexpr,
                        ADD: tl.constexpr, DOT: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr,
                        PDL: tl.constexpr):
-    pid = tl.program_id(0)
+    # output columns (weight rows), the split's K range, the first weight chunk in flight before the PDL wait
     split = tl.program_id(1)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns: weight rows
-    rm = rows < N
+    rows, rm, cols, k_start, k_end, w_ptr, w = weight_tile_start(W, tl.program_id(0), split, K, K_PER_SPLIT,
+                                                                 stride_w, N, BLOCK_N, BLOCK_K, PDL)
     ms = tl.arange(0, BLOCK_M)  # x rows
     mm = ms < M
-    cols = tl.arange(0, BLOCK_K)
-    k_start = split * K_PER_SPLIT
-    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    w_ptr = W + rows.to(tl.int64)[:, None] * stride_w + cols[None, :]
-    # weights never depend on the previous kernel: the first chunk is in flight before the wait
-    w = tl.load(w_ptr + k_start, mask=rm[:, None] & (k_start + cols < k_end)[None, :], other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if PDL == 1:
-        tl.extra.cuda.gdc_launch_dependents()
     x_rows = X + ms.to(tl.int64)[:, None] * stride_x
     rstd = tl.zeros([BLOCK_M], tl.float32)
     if NORM and not NORM_AFTER:  # each row's rms over the whole of K

@@ -26,6 +26,26 @@ class GemvConfig:
 
 
 @triton.jit
+def weight_tile_start(W, pid, split, K, K_PER_SPLIT, stride_w, N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PDL: tl.constexpr):
+    """A weight-streaming program's start (this GEMV and kernels.gemm_small): its BLOCK_N weight rows, its split's
+    K range and the first chunk's load, issued before the PDL wait (weights never depend on the previous kernel).
+    Returns (rows, row mask, chunk columns, k_start, k_end, chunk pointers, first chunk)."""
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = rows < N
+    cols = tl.arange(0, BLOCK_K)
+    k_start = split * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    w_ptr = W + rows.to(tl.int64)[:, None] * stride_w + cols[None, :]
+    w = tl.load(w_ptr + k_start, mask=rm[:, None] & (k_start + cols < k_end)[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
+    return rows, rm, cols, k_start, k_end, w_ptr, w
+
+
+@triton.jit
 def _gemv_kernel(X, W, Y, R, NW, K, K_PER_SPLIT, stride_w, N, eps, stride_x, M, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
                  NORM_AFTER: tl.constexpr, SILU: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr,
@@ -42,18 +62,8 @@ def _gemv_kernel(X, W, Y, R, NW, K, K_PER_SPLIT, stride_w, N, eps, stride_x, M, 
         pid = tl.program_id(0)
         split = tl.program_id(1)
         split_stride = N
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = rows < N
-    cols = tl.arange(0, BLOCK_K)
-    k_start = split * K_PER_SPLIT
-    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    w_ptr = W + rows.to(tl.int64)[:, None] * stride_w + cols[None, :]
-    # weights never depend on the previous kernel: the first chunk is in flight before the wait
-    w = tl.load(w_ptr + k_start, mask=rm[:, None] & (k_start + cols < k_end)[None, :], other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if PDL == 1:
-        tl.extra.cuda.gdc_launch_dependents()
+    rows, rm, cols, k_start, k_end, w_ptr, w = weight_tile_start(W, pid, split, K, K_PER_SPLIT, stride_w, N, BLOCK_N,
+                                                                 BLOCK_K, PDL)
     rstd = 0.0
     ss = tl.zeros([BLOCK_K], tl.float32)
     if NORM and not NORM_AFTER:  # the rms of the whole row, in one read when K fits NORM_BLOCK

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError, ModelConfig
-from ..kernels import SMALL_M_ROWS
+from ..kernels import SMALL_M_ROWS, fused_decode_enabled, small_m_enabled, use_triton
 from ..kv import KVCacheSpec
 from .linear import Linear, prepack_for_cpu
 from .llama import MLP, Attention, RMSNorm
@@ -127,8 +127,6 @@ def attention(attn: Attention, x: torch.Tensor, cos_sin: tuple[torch.Tensor, tor
 def _mlp_fused(mlp: MLP, h: torch.Tensor) -> bool:
     """The draft MLP's fused GEMVs serve h's rows: the GPU's kernels, and the tuner (gemv_tuning.tune_draft) kept
     both of its roles for that row count."""
-    from ..kernels import fused_decode_enabled, small_m_enabled, use_triton
-
     m = h.shape[0] if h.dim() == 2 else 0
     if not (1 <= m <= SMALL_M_ROWS and use_triton(h) and fused_decode_enabled()) or (m > 1 and not small_m_enabled()):
         return False
