@@ -59,8 +59,9 @@ def _greedy(path: str, **kw) -> list[list[int]]:
         group = llm.engine.tp_group
         if kw.get("speculative_algorithm") is not None:  # drafts were verified (a multi-token forward)
             assert llm.engine.spec_stats().draft_tokens > 0
-    if group is not None:  # closed: the spawned rank is gone
+    if group is not None:  # closed: the spawned rank is gone, the process group shut down before exit
         assert all(not p.is_alive() for p in group.followers)
+        assert group.pg is None and group.closed
     return outs
 
 

@@ -94,7 +94,10 @@ def start(config: EngineConfig, device: torch.device) -> TPGroup:
         if info.rank != 0:
             from .follower import serve
 
-            serve(group, config)
+            try:
+                serve(group, config)
+            finally:
+                group.release()
             raise SystemExit(0)
         return group
     port = _free_port()
@@ -237,6 +240,7 @@ def shutdown(group: TPGroup) -> None:
     except Exception as e:  # a follower already gone: nothing to tell
         log.warning("tensor parallel shutdown: %s", e)
     _stop(group.followers)
+    group.release()
 
 
 def _stop(procs: list) -> None:

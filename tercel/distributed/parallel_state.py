@@ -39,6 +39,13 @@ class TPGroup:
             pg = dist.ProcessGroupGloo(store, rank, size, OP_TIMEOUT)
         return cls(rank, size, device, pg, store)
 
+    def release(self) -> None:
+        """Shut the process group down now, while the interpreter is whole: a gloo group left to the
+        interpreter's exit can abort the process there ("terminate called without an active exception")."""
+        pg, self.pg, self.store = self.pg, None, None
+        if pg is not None:
+            pg.shutdown()
+
     @property
     def is_driver(self) -> bool:
         return self.rank == 0
