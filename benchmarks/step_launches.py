@@ -59,16 +59,18 @@ def _engine(loaded, head: Path, kw: dict, batch: int):
                      cuda_graph_max_bs=batch, kv_cache_memory=1 << 26, max_model_len=512, **kw)
 
 
-def _run(engine, prompts: list[list[int]], params) -> int:
-    """Generate to the end; the steps taken (verify steps when speculating, else decode steps)."""
+def _run(engine, prompts: list[list[int]], params, outputs: list | None = None) -> int:
+    """Generate to the end; the steps taken (verify steps when speculating, else decode steps). outputs: gets
+    each prompt's generated token ids."""
     before = engine.spec_stats().verify_steps if engine.spec is not None else 0
-    for p in prompts:
-        engine.add_request(p, params)
+    ids = [engine.add_request(p, params) for p in prompts]
     outs = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
                 outs[o.request_id] = o
+    if outputs is not None:
+        outputs.extend(list(outs[i].outputs[0].token_ids) for i in ids)
     if engine.spec is not None:
         return engine.spec_stats().verify_steps - before
     return max(len(o.outputs[0].token_ids) for o in outs.values()) - 1
@@ -135,9 +137,10 @@ def count(name: str, loaded, head: Path, tokens: int, batch: int, current: _Curr
     def params(n: int):
         return SamplingParams(max_tokens=n, ignore_eos=True, **sampling_kw)
 
-    _run(engine, prompts, params(tokens))  # captures, first uses
+    outputs: list = []
+    _run(engine, prompts, params(tokens), outputs)  # captures, first uses
+    result: dict = {"outputs": outputs}  # the generated tokens (greedy speculation must give plain's)
     _pause_inside(current, engine)
-    result: dict = {}
     for what in kinds:
         runs = []
         for n in (1, tokens):

@@ -787,20 +787,17 @@ def check_ddtree_beams(device: str, dtype: torch.dtype) -> None:
     budgets below, at and above K, beams that saturate at the budget, one depth, a batch of several requests."""
     from tercel.kernels.ddtree_beams import ddtree_beams
     from tercel.speculative import ddtree_chain as dc
+    from tercel.speculative import tree
 
     g = torch.Generator(device="cpu").manual_seed(19)
     for b, d, k, budget in [(3, 15, 4, 16), (2, 7, 4, 64), (4, 3, 2, 2), (1, 1, 4, 3), (2, 5, 3, 9), (2, 15, 4, 64)]:
         lp, tk = torch.randn(b, d, 60, generator=g).mul(2).log_softmax(-1).topk(k, dim=-1)
-        saved = dc.use_triton
-        dc.use_triton = lambda *a: False  # the torch path, on the CPU copies
-        try:
+        with _TorchPaths(dc, tree):  # the torch paths, on the CPU copies
             want = dc.ddtree_nodes(lp, tk, budget)
-        finally:
-            dc.use_triton = saved
         sizes = dc.beam_sizes(d, k, budget)
         scores, parents, toks = ddtree_beams(lp.to(device), tk.to(device), budget, sizes)
         assert scores.shape == (b, sum(sizes)), (b, d, k, budget)
-        kept, tree_parents = dc.select_tree_nodes_batched(scores, parents, budget)
+        kept, tree_parents = tree.select_tree_nodes_batched(scores, parents, budget)
         assert torch.equal(toks.gather(1, kept).cpu(), want[0]), (b, d, k, budget)
         assert torch.equal(tree_parents.cpu(), want[1]), (b, d, k, budget)
         for i in range(b):  # each beam best first, after the previous one
@@ -809,6 +806,92 @@ def check_ddtree_beams(device: str, dtype: torch.dtype) -> None:
                 row = scores[i, off:off + w].cpu()
                 assert torch.equal(row, row.sort(descending=True).values), (b, d, k, budget, i)
                 off += w
+
+
+class _TorchPaths:
+    """Inside the block the given modules' use_triton says no: their torch paths run (the reference)."""
+
+    def __init__(self, *modules) -> None:
+        self.modules = modules
+
+    def __enter__(self) -> None:
+        self.saved = [m.use_triton for m in self.modules]
+        for m in self.modules:
+            m.use_triton = lambda *a: False
+
+    def __exit__(self, *exc) -> None:
+        for m, f in zip(self.modules, self.saved):
+            m.use_triton = f
+
+
+def check_tree_draft(device: str, dtype: torch.dtype) -> None:
+    """The tree draft loop's expansion kernel equals its torch path over a whole loop (the root's children, then
+    each draft step's K x K children; random picks without ties, with and without a vocabulary map, K = 2, 4, 8):
+    the candidate slabs, the next leaves (tokens, scores, candidate indices, hidden states) and the ancestor rows;
+    the re-ranking kernel equals select_tree_nodes_batched + gather on those candidates and on scores full of ties
+    (halvings of the parent's score), up to 456 candidates."""
+    from tercel.kernels.tree_draft import tree_expand, tree_select
+    from tercel.speculative import tree as tr
+    from tercel.speculative.eagle_tree_step import EagleTreeDraftStep, _Leaves
+
+    g = torch.Generator(device="cpu").manual_seed(29)
+    for n, k, steps, vd, mapped, h in [(3, 4, 5, 50, True, 40), (2, 2, 3, 30, False, 8), (1, 8, 4, 90, True, 300),
+                                       (2, 4, 1, 20, False, 8)]:
+        vmap = torch.randperm(1000, generator=g)[:vd] if mapped else None
+        cap = max(1, (steps - 1) * k)
+        c = k + (steps - 1) * k * k
+        cands = [tuple(torch.full((n, c), -7, dtype=t) for t in (torch.long, torch.float32, torch.long))
+                 for _ in range(2)]
+        ancs = [torch.zeros(n, cap, cap, dtype=torch.bool) for _ in range(2)]
+        ancs[1] = ancs[1].to(device)
+        cands[1] = tuple(t.to(device) for t in cands[1])
+        leaves: list = [None, None]
+        p = 1
+        for step in range(steps):
+            probs = torch.rand(n, p, vd, generator=g).softmax(-1)
+            scores, ids = probs.topk(k, dim=-1)
+            last = step == steps - 1
+            hidden = torch.randn(n, p, h, generator=g).to(dtype)
+            off, e_prev, e_next = (0, 0, 0) if step == 0 else (k + (step - 1) * k * k, (step - 1) * k, step * k)
+            want = EagleTreeDraftStep._expand_torch(scores, ids, leaves[0], vmap, None if last else hidden,
+                                                    None if last else ancs[0], cands[0], off, e_prev, e_next)
+            prev = leaves[1]
+            got = _Leaves(*tree_expand(scores.to(device), ids.to(device), None if prev is None else prev.scores,
+                                       None if prev is None else prev.cand, None if vmap is None else vmap.to(device),
+                                       None if last else hidden.to(device), None if last else ancs[1], cands[1], off,
+                                       e_prev, e_next))
+            where = (n, k, steps, step)
+            for name in ("tokens", "scores", "cand"):
+                assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), (where, name)
+            assert (got.hidden is None) == (want.hidden is None) == last, where
+            if not last:
+                assert torch.equal(got.hidden.cpu(), want.hidden), where
+            for a, b_ in zip(cands[1], cands[0]):
+                assert torch.equal(a.cpu(), b_), where
+            if steps > 1:
+                written = slice(0, min(cap, (step + 1) * k))  # rows the kernel wrote so far
+                assert torch.equal(ancs[1][:, written].cpu(), ancs[0][:, written]), where
+            leaves = [want, got]
+            p = k
+        num = min(15, c)
+        with _TorchPaths(tr):
+            want_sel = tr.select_tree(cands[0][1], cands[0][2], cands[0][0], num)
+        got_sel = tree_select(*(t.contiguous() for t in (cands[1][1], cands[1][2], cands[1][0])), num)
+        assert torch.equal(got_sel[0].cpu(), want_sel[0]) and torch.equal(got_sel[1].cpu(), want_sel[1]), (n, k, steps)
+    # ties: every child's score is its parent's, or a half or a quarter of it (parents before children)
+    for n, c, num in [(3, 52, 15), (2, 456, 63), (1, 9, 9), (2, 20, 1)]:
+        parents = torch.full((n, c), -1, dtype=torch.long)
+        scores = torch.ones(n, c)
+        for j in range(1, c):
+            parents[:, j] = torch.randint(-1, j, (n,), generator=g)
+            above = scores.gather(1, parents[:, j:j + 1].clamp(min=0))[:, 0]
+            base = torch.where(parents[:, j] < 0, torch.ones(n), above)
+            scores[:, j] = base * torch.tensor([1.0, 0.5, 0.25])[torch.randint(0, 3, (n,), generator=g)]
+        tokens = torch.randint(0, 500, (n, c), generator=g)
+        with _TorchPaths(tr):
+            want_sel = tr.select_tree(scores, parents, tokens, num)
+        got_sel = tree_select(scores.to(device), parents.to(device), tokens.to(device), num)
+        assert torch.equal(got_sel[0].cpu(), want_sel[0]) and torch.equal(got_sel[1].cpu(), want_sel[1]), (n, c, num)
 
 
 def check_race_logits(device: str, dtype: torch.dtype) -> None:
@@ -964,7 +1047,7 @@ ALL = [check_race, check_argmax, check_norms, check_rope_store, check_decode, ch
        check_gemv_fused, check_gemm_small, check_gemv_q8, check_decode_rope, check_rows_rope,
        check_tree_draft_attention, check_dflash_paged_attention, check_chain_accept, check_stream_keys,
        check_sample_filter, check_tree_accept, check_ddtree_beams, check_race_logits,
-       check_topk_rows, check_draft_rope_attention, check_draft_mlp_fused]
+       check_topk_rows, check_draft_rope_attention, check_draft_mlp_fused, check_tree_draft]
 
 
 def run_in_interpreter(check: str, timeout: int = 300) -> None:

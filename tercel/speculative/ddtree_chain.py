@@ -18,7 +18,7 @@ import torch
 from ..kernels import use_triton
 from .dflash_chain import DFlashChainBatch, DFlashChainOutputs, DFlashChainStep
 from .eagle_steps import ChainPositions
-from .tree import select_tree_nodes_batched, top_k_probs
+from .tree import select_tree, top_k_probs
 from .tree_chain import tree_layout, verify_tree
 
 
@@ -40,8 +40,7 @@ def ddtree_nodes(logprobs: torch.Tensor, tokens: torch.Tensor, budget: int) -> t
 
         scores, parents, toks = ddtree_beams(logprobs.contiguous(), tokens.contiguous(), budget,
                                              beam_sizes(d, k, budget))
-        kept, tree_parents = select_tree_nodes_batched(scores, parents, budget)
-        return toks.gather(1, kept), tree_parents
+        return select_tree(scores, parents, toks, budget)
     scores, toks, parents = [], [], []
     beam = logprobs[:, 0, :budget]  # depth 1: the root's children, best first
     width = beam.shape[1]
@@ -57,8 +56,7 @@ def ddtree_nodes(logprobs: torch.Tensor, tokens: torch.Tensor, budget: int) -> t
         parents.append(offset + idx // k)
         offset += width
         width = beam.shape[1]
-    kept, tree_parents = select_tree_nodes_batched(torch.cat(scores, 1), torch.cat(parents, 1), budget)
-    return torch.cat(toks, 1).gather(1, kept), tree_parents
+    return select_tree(torch.cat(scores, 1), torch.cat(parents, 1), torch.cat(toks, 1), budget)
 
 
 class DDTreeChainStep(DFlashChainStep):

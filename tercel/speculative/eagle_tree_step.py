@@ -22,10 +22,11 @@ from ..attention.paged_merge import PagedPrefix, attend_paged_and_dense, draft_c
 from ..attention.sdpa import sdpa
 from ..forward_batch import CaptureHiddenMode
 from ..graphs.buffers import BufferSpec, Pad, Per
+from ..kernels import use_triton
 from ..kv import PagedKVCache
 from ..models.eagle3 import EagleDraftModel
 from .eagle_steps import _DraftStep
-from .tree import select_tree_nodes_batched, top_k_probs
+from .tree import select_tree, top_k_probs
 
 Pick = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -161,48 +162,84 @@ class EagleTreeDraftStep(_DraftStep):
         cap = max(1, (steps - 1) * k)
         prefix_slots, prefix_valid, paged = draft_context(b.block_tables, b.base, prefix_len, k, self.kv, b.hidden)
         attn = DraftAttention(self.kv, prefix_slots, prefix_valid, cap, self.scale, paged)
-        ancestors = torch.zeros(n, cap, cap, dtype=torch.bool, device=dev)
-        rows = torch.arange(n, device=dev)[:, None]
-        leaf_scores, leaf_ids = (t[:, 0] for t in pick(b.logits[:, None], 0))  # [B, K]
-        leaf_tokens = self._to_target(leaf_ids)
-        cand_tokens, cand_scores = [leaf_tokens], [leaf_scores]
-        cand_parents = [torch.full((n, k), -1, dtype=torch.long, device=dev)]
-        leaf_cand = torch.arange(k, device=dev).expand(n, k)
-        leaf_hidden = b.hidden[:, None].expand(n, k, -1)
+        fused = use_triton(b.logits)
+        # every candidate of the loop, level by level (K, then K * K per further step), and the scratch entries'
+        # ancestor-or-self rows: the expansion writes each draft step's rows before the next step reads them
+        n_cand = k + (steps - 1) * k * k
+        cand = (torch.empty(n, n_cand, dtype=torch.long, device=dev),
+                torch.empty(n, n_cand, dtype=torch.float32, device=dev),
+                torch.empty(n, n_cand, dtype=torch.long, device=dev))
+        ancestors = (torch.empty if fused else torch.zeros)(n, cap, cap, dtype=torch.bool, device=dev)
         entries = torch.arange(cap, device=dev)  # scratch entry of every draft step's leaves: step s takes a slice
         # every draft step's RoPE position at once: step s's leaves sit at base + s - 1
         positions = (b.base[:, None] + torch.arange(steps, device=dev)).clamp(max=self.max_position)
-        parent_entry = None
-        n_cand = k
+        expand = _expand_fused if fused else self._expand_torch
+        scores, ids = pick(b.logits[:, None], 0)  # [B, 1, K]
+        leaves = expand(scores, ids, None, self._map(), b.hidden[:, None] if steps > 1 else None,
+                        ancestors if steps > 1 else None, cand, 0, 0, 0)
         for step in range(1, steps):
             e0 = (step - 1) * k
-            if parent_entry is not None:
-                ancestors[:, e0:e0 + k] = ancestors[rows, parent_entry]
-            ancestors[:, e0:e0 + k, e0:e0 + k].diagonal(dim1=1, dim2=2).fill_(True)  # slices: graph-safe writes
             attn.entries, attn.mask = entries[e0:e0 + k], ancestors[:, e0:e0 + k]
             pos = positions[:, step - 1, None].expand(n, k)
-            h_out = model(leaf_tokens.reshape(-1), leaf_hidden.reshape(n * k, -1), pos.reshape(-1), attn,
+            h_out = model(leaves.tokens.reshape(-1), leaves.hidden.reshape(n * k, -1), pos.reshape(-1), attn,
                           from_target=False).view(n, k, -1)
-            child_scores, child_ids = pick(model.compute_logits(h_out), step)  # [B, K, K]
-            cum = (leaf_scores[:, :, None] * child_scores).view(n, k * k)
-            tokens = self._to_target(child_ids).view(n, k * k)
-            cand_tokens.append(tokens)
-            cand_scores.append(cum)
-            cand_parents.append(leaf_cand[:, :, None].expand(n, k, k).reshape(n, k * k))
-            best = cum.topk(k, dim=-1).indices  # [B, K]: the next leaves
-            parent = best // k  # the leaf each came from
-            leaf_hidden = h_out[rows, parent]
-            parent_entry = e0 + parent
-            leaf_tokens = tokens.gather(1, best)
-            leaf_scores = cum.gather(1, best)
-            leaf_cand = n_cand + best
-            n_cand += k * k
-        tokens, scores, parents = torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1)
-        kept, tree_parents = select_tree_nodes_batched(scores.float(), parents, min(self.num_nodes, scores.shape[1]))
-        return TreeCandidates(tokens, scores, parents, tokens.gather(1, kept), tree_parents)
+            scores, ids = pick(model.compute_logits(h_out), step)  # [B, K, K]
+            last = step == steps - 1  # no next draft step: its leaves' hidden states and ancestors are not needed
+            leaves = expand(scores, ids, leaves, self._map(), None if last else h_out.contiguous(),
+                            None if last else ancestors, cand, k + e0 * k, e0, step * k)
+        tree_tokens, tree_parents = select_tree(cand[1], cand[2], cand[0], min(self.num_nodes, n_cand))
+        return TreeCandidates(*cand, tree_tokens, tree_parents)
+
+    def _map(self) -> torch.Tensor | None:
+        return self.model.draft_to_target if self.model.maps_vocab else None
+
+    @staticmethod
+    def _expand_torch(scores: torch.Tensor, ids: torch.Tensor, leaves: "_Leaves | None", vocab_map: torch.Tensor | None,
+                      hidden: torch.Tensor | None, ancestors: torch.Tensor | None,
+                      cand: tuple[torch.Tensor, torch.Tensor, torch.Tensor], off: int, e_prev: int,
+                      e_next: int) -> "_Leaves":
+        """kernels/tree_draft.tree_expand in torch ops (its contract; the next leaves in topk's order)."""
+        n, p, k = scores.shape
+        dev = scores.device
+        tokens = (vocab_map[ids] if vocab_map is not None else ids).view(n, p * k)
+        if leaves is None:
+            cum = scores.view(n, k)
+            parents = torch.full((n, k), -1, dtype=torch.long, device=dev)
+        else:
+            cum = (leaves.scores[:, :, None] * scores).view(n, p * k)
+            parents = leaves.cand[:, :, None].expand(n, p, k).reshape(n, p * k)
+        for slab, t in zip(cand, (tokens, cum, parents)):
+            slab[:, off:off + p * k] = t
+        # [B, K]: the next leaves (the root's children: the pick's own order)
+        best = torch.arange(k, device=dev).expand(n, k) if leaves is None else cum.topk(k, dim=-1).indices
+        parent = best // k  # the leaf each came from
+        rows = torch.arange(n, device=dev)[:, None]
+        if ancestors is not None:
+            if leaves is not None:
+                ancestors[:, e_next:e_next + k] = ancestors[rows, e_prev + parent]
+            ancestors[:, e_next:e_next + k, e_next:e_next + k].diagonal(dim1=1, dim2=2).fill_(True)
+        return _Leaves(tokens.gather(1, best), cum.gather(1, best), off + best,
+                       None if hidden is None else hidden[rows, parent])
 
     def _top_k(self, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return top_k_probs(logits, self.topk)
 
-    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.draft_to_target[draft_ids] if self.model.maps_vocab else draft_ids
+
+
+@dataclass(slots=True)
+class _Leaves:
+    """The tree draft loop's current leaves, K per request, best first."""
+    tokens: torch.Tensor  # [B, K] target ids
+    scores: torch.Tensor  # [B, K] cumulative draft probability
+    cand: torch.Tensor  # [B, K] candidate index
+    hidden: torch.Tensor | None  # [B, K, H] the draft output each grew from (what the next draft step reads)
+
+
+def _expand_fused(scores: torch.Tensor, ids: torch.Tensor, leaves: _Leaves | None, vocab_map: torch.Tensor | None,
+                  hidden: torch.Tensor | None, ancestors: torch.Tensor | None,
+                  cand: tuple[torch.Tensor, torch.Tensor, torch.Tensor], off: int, e_prev: int, e_next: int) -> _Leaves:
+    from ..kernels.tree_draft import tree_expand
+
+    return _Leaves(*tree_expand(scores.contiguous(), ids.contiguous(), None if leaves is None else leaves.scores,
+                                None if leaves is None else leaves.cand, vocab_map, hidden, ancestors, cand, off,
+                                e_prev, e_next))
