@@ -39,6 +39,22 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
 
 
+class _TorchPaths:
+    """Inside the block the given modules' use_triton says no: their torch paths run (the reference)."""
+
+    def __init__(self, *modules) -> None:
+        self.modules = modules
+
+    def __enter__(self) -> None:
+        self.saved = [m.use_triton for m in self.modules]
+        for m in self.modules:
+            m.use_triton = lambda *a: False
+
+    def __exit__(self, *exc) -> None:
+        for m, f in zip(self.modules, self.saved):
+            m.use_triton = f
+
+
 def check_norms(device: str, dtype: torch.dtype) -> None:
     from tercel.kernels.fused import add_rms_norm, rms_norm, silu_mul
 
@@ -634,12 +650,8 @@ def check_sample_filter(device: str, dtype: torch.dtype) -> None:
         for seed in range(12):
             keys = stream_keys(torch.full((len(params),), seed), torch.arange(len(params))).to(device)
             fused = (sample_rows(logits, st, keys), sample_rows(logits, st, keys, ids, 2 * v))
-            saved = sampling.use_triton
-            sampling.use_triton = lambda *a: False
-            try:
+            with _TorchPaths(sampling):
                 ref = (sample_rows(logits, st, keys), sample_rows(logits, st, keys, ids, 2 * v))
-            finally:
-                sampling.use_triton = saved
             assert torch.equal(fused[0], ref[0]) and torch.equal(fused[1], ref[1]), (v, seed, fused, ref)
         unsorted = SamplingTensors.of([SamplingParams(temperature=0.7, min_p=0.05), SamplingParams(temperature=1.3)],
                                       v, torch.device(device))
@@ -670,6 +682,27 @@ def check_stream_keys(device: str, dtype: torch.dtype) -> None:
         assert torch.equal(stream_keys(s.to(device), i.to(device)).cpu(), want)
 
 
+def check_chain_positions(device: str, dtype: torch.dtype) -> None:
+    """The chained step's positions kernel equals ChainPositions.of's torch path: random bases and block tables,
+    widths off a power of two, positions clamped to a short RoPE table, a padding request (base 0, zero table), a
+    table given as a column slice (row stride past its width)."""
+    from tercel.kernels.chain_positions import chain_positions
+    from tercel.speculative import eagle_steps as es
+
+    g = torch.Generator(device="cpu").manual_seed(31)
+    for n, w, bs, mb, max_pos in [(1, 6, 16, 8, 4096), (5, 16, 4, 12, 30), (3, 3, 16, 2, 20), (2, 65, 16, 10, 100)]:
+        base = torch.randint(0, mb * bs - w, (n,), generator=g)
+        wide = torch.randint(1, 500, (n, mb + 3), generator=g)
+        tables = wide[:, :mb]
+        base[-1] = 0
+        tables[-1] = 0
+        with _TorchPaths(es):
+            want = es.ChainPositions.of(base, tables, bs, w, max_pos)
+        got = chain_positions(base.to(device), tables.to(device), bs, w, max_pos)
+        for name, a in zip(("positions", "slots", "seq_lens", "rope_positions"), got):
+            assert torch.equal(a.cpu(), getattr(want, name)), (n, w, name)
+
+
 def check_chain_accept(device: str, dtype: torch.dtype) -> None:
     """The chained step's acceptance kernel equals the torch path on the same inputs: every accepted count from 0
     to W - 1 (targets built to match the drafts up to a chosen place), padding requests (live 0), slots given as
@@ -693,13 +726,8 @@ def check_chain_accept(device: str, dtype: torch.dtype) -> None:
         for slots in (slots_bw.t().contiguous(), slots_bw.t()):
             want_base, want_roots = base.clone(), roots.clone()
             with torch.no_grad():
-                want = ca.ChainAccepted(*[None] * 5)
-                saved = ca.use_triton
-                ca.use_triton = lambda *a: False  # the torch path, on the CPU copies
-                try:
+                with _TorchPaths(ca):  # the torch path, on the CPU copies
                     want = ca.chain_accept(targets, tokens, slots, want_base, live, want_roots)
-                finally:
-                    ca.use_triton = saved
             got_base, got_roots = base.clone().to(device), roots.clone().to(device)
             got = chain_accept_rows(targets.to(device), tokens.to(device), slots.to(device), got_base,
                                     live.to(device), got_roots)
@@ -733,12 +761,8 @@ def check_tree_accept(device: str, dtype: torch.dtype) -> None:
         tree_tokens = torch.randint(0, 40, (n, w - 1), generator=g)
         roots = torch.randint(0, 40, (n,), generator=g)
         with torch.no_grad():
-            saved = tc.use_triton
-            tc.use_triton = lambda *a: False  # the torch paths, on the CPU copies
-            try:
+            with _TorchPaths(tc):  # the torch paths, on the CPU copies
                 want_layout = tc.tree_layout(roots, tree_tokens, parents, max_depth)
-            finally:
-                tc.use_triton = saved
         got = tree_layout_rows(roots.to(device), tree_tokens.to(device), parents.to(device), max_depth)
         for name, a, b_ in zip(("tokens", "parents", "depth", "masks"), got,
                                (want_layout.tokens, want_layout.parents, want_layout.depth, want_layout.masks)):
@@ -762,12 +786,8 @@ def check_tree_accept(device: str, dtype: torch.dtype) -> None:
         for slots in (slots_bw.t().contiguous(), slots_bw.t()):
             want_base, want_roots = base.clone(), roots.clone()
             with torch.no_grad():
-                saved = tc.use_triton
-                tc.use_triton = lambda *a: False
-                try:
+                with _TorchPaths(tc):
                     want = tc.tree_accept(targets, want_layout, slots, want_base, live, want_roots)
-                finally:
-                    tc.use_triton = saved
             got_base, got_roots = base.clone().to(device), roots.clone().to(device)
             got = tree_accept_rows(targets.to(device), *(t.to(device) for t in (want_layout.tokens,
                                    want_layout.parents, want_layout.depth, want_layout.masks)), slots.to(device),
@@ -806,22 +826,6 @@ def check_ddtree_beams(device: str, dtype: torch.dtype) -> None:
                 row = scores[i, off:off + w].cpu()
                 assert torch.equal(row, row.sort(descending=True).values), (b, d, k, budget, i)
                 off += w
-
-
-class _TorchPaths:
-    """Inside the block the given modules' use_triton says no: their torch paths run (the reference)."""
-
-    def __init__(self, *modules) -> None:
-        self.modules = modules
-
-    def __enter__(self) -> None:
-        self.saved = [m.use_triton for m in self.modules]
-        for m in self.modules:
-            m.use_triton = lambda *a: False
-
-    def __exit__(self, *exc) -> None:
-        for m, f in zip(self.modules, self.saved):
-            m.use_triton = f
 
 
 def check_tree_draft(device: str, dtype: torch.dtype) -> None:
@@ -908,12 +912,8 @@ def check_race_logits(device: str, dtype: torch.dtype) -> None:
         sampled = torch.tensor([1, 1, 1, 0, 0, 1][:n])
         keys = torch.randint(0, 2 ** 62, (n,), generator=g)
         ids = torch.randperm(3 * v, generator=g)[:v] if mapped else None
-        saved = sampling.use_triton
-        sampling.use_triton = lambda *a: False  # the torch path, on the CPU copies
-        try:
+        with _TorchPaths(sampling):  # the torch path, on the CPU copies
             want = sampling.race_logits(logits, t, sampled, keys, ids, 3 * v if mapped else None)
-        finally:
-            sampling.use_triton = saved
         full = None if ids is None else ids.expand(n, -1).to(device)
         got = race_logits_rows(logits.to(device), keys.to(device), t.to(device), sampled.to(device), full)
         assert torch.equal(got.cpu(), want), (n, v, mapped, got, want)
@@ -1047,7 +1047,8 @@ ALL = [check_race, check_argmax, check_norms, check_rope_store, check_decode, ch
        check_gemv_fused, check_gemm_small, check_gemv_q8, check_decode_rope, check_rows_rope,
        check_tree_draft_attention, check_dflash_paged_attention, check_chain_accept, check_stream_keys,
        check_sample_filter, check_tree_accept, check_ddtree_beams, check_race_logits,
-       check_topk_rows, check_draft_rope_attention, check_draft_mlp_fused, check_tree_draft]
+       check_topk_rows, check_draft_rope_attention, check_draft_mlp_fused, check_tree_draft,
+       check_chain_positions]
 
 
 def run_in_interpreter(check: str, timeout: int = 300) -> None:

@@ -24,6 +24,7 @@ import torch
 from ..forward_batch import CaptureHiddenMode, ForwardBatch
 from ..graphs.buffers import BufferSpec, Pad, Per
 from ..graphs.runner import StepKind
+from ..kernels import use_triton
 from ..kv import PagedKVCache
 from ..models.eagle3 import EagleDraftModel
 from ..sampling import greedy_tokens
@@ -67,8 +68,8 @@ class DraftExtendBatch:
 class ChainPositions:
     """The positions base + j (j < W) of a chain step's rows and their KV slots, laid out [W, B] so that row j
     (every request's j-th position) is a contiguous [B] tensor: draft step s reads row s - 1, verify and
-    draft_extend read them all. Built once per step (a handful of launches, where each draft step used to
-    compute its own)."""
+    draft_extend read them all. Built once per step (one Triton launch on a GPU, kernels/chain_positions.py; each
+    draft step used to compute its own)."""
     positions: torch.Tensor  # [W, B] base + j
     slots: torch.Tensor  # [W, B] the KV slot of each position
     seq_lens: torch.Tensor  # [W, B] positions + 1
@@ -77,6 +78,10 @@ class ChainPositions:
     @classmethod
     def of(cls, base: torch.Tensor, block_tables: torch.Tensor, block_size: int, width: int,
            max_position: int) -> "ChainPositions":
+        if use_triton(base) and block_tables.stride(1) == 1:
+            from ..kernels.chain_positions import chain_positions
+
+            return cls(*chain_positions(base.contiguous(), block_tables, block_size, width, max_position))
         pos = base[None, :] + torch.arange(width, device=base.device)[:, None]
         # [MB, B].gather(0, [W, B]): entry (j, b) is request b's block of position j, contiguous in [W, B]
         slots = block_tables.t().gather(0, pos // block_size) * block_size + pos % block_size
@@ -266,6 +271,7 @@ class EagleExtendStep(_DraftStep):
         meta = self.backend.capture_metadata(fb, bs, w) if graph else self.backend.prepare(fb, bs)
         h = self.model(b.ids, b.hidden, b.positions.clamp(max=self.max_position),
                        BackendAttend(self.backend, fb, meta, self.kv), from_target=True)
-        h_last = h[torch.arange(n, device=h.device) * w + b.last]
+        # each request's last real row: one gather launch (an index built from arange took four)
+        h_last = h.reshape(n, w, -1).gather(1, b.last.reshape(n, 1, 1).expand(n, 1, h.shape[-1])).view(n, -1)
         logits = self.model.compute_logits(h_last)
         return DraftStateRows(h_last, logits, _top1(self.model, logits))
