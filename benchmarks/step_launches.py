@@ -4,16 +4,17 @@ At SmolLM2's size a GPU kernel costs ~2-3 µs whatever it does, so a step's laun
 profile (benchmarks/step_profile.py) counts kernels there; this script counts them anywhere, with
 tercel.kernels.launch_count.LaunchCounter (every ATen op that computes, every Triton launch), under
 TRITON_INTERPRET=1 so the CPU takes the GPU's code paths (use_triton). A tiny random Llama ("llama-tiny" shape,
-random weights) with a random one-layer EAGLE-3 head; batch 1 (or --batch); graphs on the breakable-debug
-backend (the captured step bodies run eagerly over their static buffers, as the CPU tests drive them).
+random weights) with a random one-layer EAGLE-3 head and DFlash draft; batch 1 (or --batch); graphs on the
+breakable-debug backend (the captured step bodies run eagerly over their static buffers, as the CPU tests drive them).
 
 Per configuration, one generate of --tokens minus one of 1 token (prefill, start-up), divided by the steps
 between them (decode steps for plain, verify steps for speculation):
   per_step   every launch of the step, host-side uploads included
-  outside    the launches outside the target's and the draft's layer stacks and the attention metadata: the
+  outside    the launches outside the target's and the EAGLE draft's layer stacks and the attention metadata: the
              sampler, the draft loop's and the acceptance's bookkeeping, the heads, the state update. These are
              the same kernels on a GPU (the layers themselves differ: torch's CPU ops here, the fused GEMVs and
-             attention kernels there; step_profile.py counts those on the H200).
+             attention kernels there; step_profile.py counts those on the H200). DFLASH's and DDTREE's draft layers
+             are counted in (the DFlash draft runs its layers through its own block and context paths).
 A config's `ops` lists its outside launches by op.
 
 Usage: TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/step_launches.py [--configs plain,eagle3-chain,...]
@@ -30,13 +31,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from common import environment  # noqa: E402
+from dflash_utils import write_random_dflash  # noqa: E402
 
 GREEDY = dict(temperature=0.0)
 SAMPLED = dict(temperature=1.0, top_p=0.95, seed=7)
 EAGLE3 = dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1, speculative_num_steps=5,
               speculative_num_draft_tokens=6, speculative_adaptive="off")
 TREE16 = dict(EAGLE3, speculative_eagle_topk=4, speculative_num_draft_tokens=16)
+DFLASH = dict(speculative_algorithm="DFLASH", speculative_adaptive="off")
+DDTREE16 = dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16, speculative_adaptive="off")
 CONFIGS = {  # name -> (engine keywords, sampling keywords)
     "plain": ({}, GREEDY),
     "plain-t1": ({}, SAMPLED),
@@ -44,16 +49,25 @@ CONFIGS = {  # name -> (engine keywords, sampling keywords)
     "eagle3-chain-t1": (EAGLE3, SAMPLED),
     "eagle3-tree16": (TREE16, GREEDY),
     "eagle3-tree16-t1": (TREE16, SAMPLED),
+    "dflash": (DFLASH, GREEDY),
+    "ddtree16": (DDTREE16, GREEDY),
 }
 
 
-def _engine(loaded, head: Path, kw: dict, batch: int):
+@dataclass(frozen=True)
+class Drafts:
+    eagle3: Path  # a random one-layer EAGLE-3 head
+    dflash: Path  # a random one-layer DFlash draft (block 16)
+
+
+def _engine(loaded, drafts: Drafts, kw: dict, batch: int):
     import torch
 
     from tercel.engine import LLMEngine
 
-    if kw.get("speculative_algorithm") == "EAGLE3":
-        kw = {**kw, "speculative_draft_model_path": str(head)}
+    algorithm = kw.get("speculative_algorithm")
+    if algorithm is not None:
+        kw = {**kw, "speculative_draft_model_path": str(drafts.eagle3 if algorithm == "EAGLE3" else drafts.dflash)}
     # graphs for the batch measured only: each captured bucket runs its step body in the interpreter
     return LLMEngine(loaded=loaded, device="cpu", dtype=torch.float32, cuda_graph_backend="breakable-debug",
                      cuda_graph_max_bs=batch, kv_cache_memory=1 << 26, max_model_len=512, **kw)
@@ -125,13 +139,13 @@ def _pause_in_metadata(current: _Current) -> None:
     breakable.copy_into = pausing(breakable.copy_into)
 
 
-def count(name: str, loaded, head: Path, tokens: int, batch: int, current: _Current,
+def count(name: str, loaded, drafts: Drafts, tokens: int, batch: int, current: _Current,
           kinds: tuple[str, ...] = ("per_step", "outside")) -> dict:
     from tercel import SamplingParams
     from tercel.kernels.launch_count import LaunchCounter
 
     engine_kw, sampling_kw = CONFIGS[name]
-    engine = _engine(loaded, head, dict(engine_kw), batch)
+    engine = _engine(loaded, drafts, dict(engine_kw), batch)
     prompts = [list(range(5 + i, 37 + i)) for i in range(batch)]
 
     def params(n: int):
@@ -185,16 +199,20 @@ def main() -> None:
     if bad:
         raise SystemExit(f"--configs: unknown {bad}; choose from {list(CONFIGS)}")
     loaded = random_loaded("llama-tiny", 512, torch.float32, "cpu")
-    head = random_eagle3(Path(tempfile.mkdtemp()) / "e3", loaded.config, draft_vocab_size=256, intermediate_size=128,
-                         aux_layer_ids=(0, 1))
+    root = Path(tempfile.mkdtemp())
+    drafts = Drafts(random_eagle3(root / "e3", loaded.config, draft_vocab_size=256, intermediate_size=128,
+                                  aux_layer_ids=(0, 1)),
+                    write_random_dflash(root / "df", vocab=512, hidden=64, num_target_layers=2, block_size=16,
+                                        mask_token_id=511, target_layer_ids=[0, 1]))
     current = _Current()  # the pause hooks act on it during the "outside" runs
     _pause_in_metadata(current)
     res = {"benchmark": "kernel launches per step, counted on the CPU under TRITON_INTERPRET=1 (LaunchCounter)",
-           "environment": environment(), "model": "llama-tiny shape, random weights; a random one-layer EAGLE-3 head",
+           "environment": environment(),
+           "model": "llama-tiny shape, random weights; a random one-layer EAGLE-3 head and DFlash draft (block 16)",
            "batch": args.batch, "tokens": args.tokens, "results": {}}
     for name in names:
         kinds = ("outside",) if args.outside_only else ("per_step", "outside")
-        r = res["results"][name] = count(name, loaded, head, args.tokens, args.batch, current, kinds)
+        r = res["results"][name] = count(name, loaded, drafts, args.tokens, args.batch, current, kinds)
         print(f"{name:18s} per step {r.get('per_step', float('nan')):7.1f}  outside the layers {r['outside']:7.1f}",
               file=sys.stderr)
     text = json.dumps(res, indent=2) + "\n"

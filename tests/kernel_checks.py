@@ -582,6 +582,37 @@ def check_tree_draft_attention(device: str, dtype: torch.dtype) -> None:
         assert torch.isfinite(outs[1]).all()
 
 
+def check_paged_dense_merge(device: str, dtype: torch.dtype) -> None:
+    """The dense-keys-and-merge kernel equals its torch reference on the same split partials: grouped heads, dense
+    masks with rows that see no dense key, splits with no keys (lse -inf), a row that sees nothing at all (zeros),
+    a mask broadcast over rows (stride 0, as DFlash's block mask) and one sliced from a wider buffer (the tree's)."""
+    from tercel.attention.paged_merge import merge_dense_torch
+    from tercel.kernels.paged_dense_merge import paged_dense_merge
+
+    g = torch.Generator(device="cpu").manual_seed(37)
+    for b, w, c, nq, nkv, d, s in [(3, 4, 12, 9, 3, 64, 4), (2, 16, 16, 4, 2, 32, 2), (1, 1, 5, 8, 8, 16, 16)]:
+        q = torch.randn(b * w, nq, d, generator=g)
+        dk, dv = torch.randn(b, c, nkv, d, generator=g), torch.randn(b, c, nkv, d, generator=g)
+        part_o = torch.randn(b * w, nq, s, d, generator=g)
+        part_l = torch.randn(b * w, nq, s, generator=g) * 4
+        part_l[:, :, -1] = float("-inf")  # the last split saw no key
+        part_l[0] = float("-inf")  # the first row has no prefix at all
+        wide = torch.rand(b, w, c + 3, generator=g) > 0.5
+        wide[0, 0] = False  # ... and no dense key either: zeros
+        wide[-1, -1, :c] = False  # a row of the prefix alone
+        masks = [wide[:, :, :c], (torch.rand(b, 1, c, generator=g) > 0.3).expand(b, w, c)]
+        for mask in masks:
+            want = merge_dense_torch(q, part_o, part_l, dk, dv, mask, d ** -0.5)
+            got = paged_dense_merge(q.to(device, dtype), part_o.to(device), part_l.to(device), dk.to(device, dtype),
+                                    dv.to(device, dtype), mask.to(device), d ** -0.5)
+            ref = merge_dense_torch(q.to(dtype).float(), part_o, part_l, dk.to(dtype).float(),
+                                    dv.to(dtype).float(), mask, d ** -0.5)  # the inputs as the kernel sees them
+            assert got.dtype == dtype and torch.isfinite(got).all(), (b, w, c)
+            assert _rel(got.float().cpu(), ref) < _tol(dtype), (b, w, c, _rel(got.float().cpu(), ref))
+            assert torch.equal(got[0].float().cpu(), torch.zeros(nq, d)) or not (~mask[0, 0]).all(), (b, w, c)
+            assert want.shape == got.shape
+
+
 def check_dflash_paged_attention(device: str, dtype: torch.dtype) -> None:
     """DFlash's block attention with the context read by the split-KV kernel (forward_paged) against the
     gathered context + SDPA (forward): a block cut short and a padding request without context included."""
@@ -1045,7 +1076,8 @@ def check_draft_mlp_fused(device: str, dtype: torch.dtype) -> None:
 
 ALL = [check_race, check_argmax, check_norms, check_rope_store, check_decode, check_extend, check_gemv,
        check_gemv_fused, check_gemm_small, check_gemv_q8, check_decode_rope, check_rows_rope,
-       check_tree_draft_attention, check_dflash_paged_attention, check_chain_accept, check_stream_keys,
+       check_tree_draft_attention, check_dflash_paged_attention, check_paged_dense_merge, check_chain_accept,
+       check_stream_keys,
        check_sample_filter, check_tree_accept, check_ddtree_beams, check_race_logits,
        check_topk_rows, check_draft_rope_attention, check_draft_mlp_fused, check_tree_draft,
        check_chain_positions]

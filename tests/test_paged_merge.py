@@ -13,7 +13,8 @@ from kernel_checks import run_in_interpreter
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its CPU interpreter)")
-@pytest.mark.parametrize("check", ["check_tree_draft_attention", "check_dflash_paged_attention"])
+@pytest.mark.parametrize("check", ["check_tree_draft_attention", "check_dflash_paged_attention",
+                                   "check_paged_dense_merge"])
 def test_paged_prefix_attention_equals_the_gathered_one(check):
     """A padding request with no prefix and (DFlash) a block cut short included; split counts 2 and more."""
     run_in_interpreter(check)

@@ -5,7 +5,8 @@ KV (its prefix) and over keys that are not in the paged cache (the tree's earlie
 Gathered, the prefix has to be every slot the block table can hold (a graph's static shape: max_model_len) and
 the masked attention over it runs on SDPA's math path. Here the split-KV decode kernel reads each row's own
 prefix and leaves its partial results unmerged (`decode_attention_partials`); the dense keys are attended in
-fp32 in the same base-2 units, and the log-sum-exp merge of both is the softmax over their union.
+fp32 in the same base-2 units, and the log-sum-exp merge of both is the softmax over their union: one Triton
+launch (kernels/paged_dense_merge.py) for what the torch code here does in ~30, which stays as its reference.
 GPU only (Triton); the gathered path stays for the CPU and as the reference.
 """
 from __future__ import annotations
@@ -64,13 +65,27 @@ def attend_paged_and_dense(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
     """Softmax attention of q [R, H, D] (R = B x W, request-major) over each row's paged prefix and the dense keys
     dense_k / dense_v [B, C, Hkv, D] its request holds, of which row j sees dense_mask [B, W, C]. Returns
     [R, H, D] in q's dtype; a row that sees no key at all gets zeros."""
-    from ..kernels.attention import LOG2E, decode_attention_partials
+    from ..kernels import use_triton
+    from ..kernels.attention import decode_attention_partials
+    from ..kernels.paged_dense_merge import paged_dense_merge
 
-    rows, heads, dim = q.shape
-    b, kv_heads = paged.num_requests, dense_k.shape[2]
-    w = rows // b
     part_o, part_l = decode_attention_partials(q, cache_k, cache_v, paged.block_tables, paged.seq_lens,
                                                paged.page_size, scale, paged.num_splits)
+    unit = all(t.stride(-1) == 1 for t in (q, dense_k, dense_v, dense_mask))
+    if use_triton(q) and unit and dense_mask.dtype == torch.bool:
+        return paged_dense_merge(q, part_o, part_l, dense_k, dense_v, dense_mask, scale)
+    return merge_dense_torch(q, part_o, part_l, dense_k, dense_v, dense_mask, scale)
+
+
+def merge_dense_torch(q: torch.Tensor, part_o: torch.Tensor, part_l: torch.Tensor, dense_k: torch.Tensor,
+                      dense_v: torch.Tensor, dense_mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """kernels/paged_dense_merge.py in torch ops (its reference): the dense keys' attention in fp32, base 2, and
+    the log-sum-exp merge with the prefix partials part_o [R, H, S, D] / part_l [R, H, S]."""
+    from ..kernels.attention import LOG2E
+
+    rows, heads, dim = q.shape
+    b, kv_heads = dense_k.shape[0], dense_k.shape[2]
+    w = rows // b
     qg = q.float().view(b, w, kv_heads, heads // kv_heads, dim)
     s2 = torch.einsum("bwkgd,bckd->bwkgc", qg, dense_k.float()) * (scale * LOG2E)
     s2 = s2.masked_fill(~dense_mask[:, :, None, None, :], float("-inf"))

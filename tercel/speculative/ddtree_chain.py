@@ -75,11 +75,13 @@ class DDTreeChainStep(DFlashChainStep):
     def _step(self, s: DFlashChainBatch) -> DFlashChainOutputs:
         w, bs = self.width, self.kv.block_size
         sp = s.sampling
-        logits = self._draft_block(s)  # [B, S - 1, V]
+        # the positions base + j of the tree's rows (the RoPE table is not read here: no clamp), and of the block's
+        at = ChainPositions.of(s.base, s.block_tables, bs, w, s.block_tables.shape[1] * bs)
+        block_pos = (at.positions[:self.block].t() if w >= self.block
+                     else s.base[:, None] + torch.arange(self.block, device=s.base.device))
+        logits = self._draft_block(s, block_pos)  # [B, S - 1, V]
         lp, tk = top_k_probs(logits, self.topk, log=True)
         tree = tree_layout(s.roots, *ddtree_nodes(lp, tk, self.budget), self.block - 1)
-        # the positions base + j (the RoPE table is not read here: no clamp)
-        at = ChainPositions.of(s.base, s.block_tables, bs, w, s.block_tables.shape[1] * bs)
         out, acc = verify_tree(self.target, self.kv, tree, at, s, sp)
         # the context grows by the root and the accepted path (the other rows write the dummy slot 0)
         self.draft.inject_context(out.hidden_states[acc.ext_rows], at.request_major(at.positions), acc.ext_slots,

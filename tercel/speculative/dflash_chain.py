@@ -28,6 +28,7 @@ from ..models.dflash import DFlashDraftModel
 from ..sampling import greedy_tokens, race_logits, stream_keys
 from .chain import ChainSampling, sampling_buffers, verify_targets
 from .chain_accept import chain_accept
+from .eagle_steps import ChainPositions
 
 
 @dataclass(slots=True)
@@ -100,13 +101,12 @@ class DFlashChainStep(StepKind):
     def live_outputs(self, out: DFlashChainOutputs, num_live: int, mode: CaptureHiddenMode) -> DFlashChainOutputs:
         return DFlashChainOutputs(out.tokens[:num_live], out.accepted[:num_live], out.bonus[:num_live])
 
-    def _draft_block(self, s: DFlashChainBatch) -> torch.Tensor:
-        """The block [root, mask ...] at base .. base + S - 1 over the context (GPU: paged; else the table's
-        slots, past base masked): the drafts' logits [B, S - 1, V]."""
+    def _draft_block(self, s: DFlashChainBatch, pos: torch.Tensor) -> torch.Tensor:
+        """The block [root, mask ...] at base .. base + S - 1 (pos [B, S]) over the context (GPU: paged; else the
+        table's slots, past base masked): the drafts' logits [B, S - 1, V]."""
         w, bs = self.block, self.kv.block_size
         cfg = self.draft.config
         j = torch.arange(w, device=s.roots.device)
-        pos = s.base[:, None] + j  # [B, S]
         ids = torch.where(j == 0, s.roots[:, None], torch.full_like(pos, cfg.mask_token_id))
         embeds = self.target.embed_tokens(ids) * cfg.input_embedding_scale
         ctx_slots, ctx_mask, paged = draft_context(s.block_tables, s.base, self.max_blocks * bs, w, self.cache, embeds)
@@ -117,8 +117,9 @@ class DFlashChainStep(StepKind):
         n, w, bs = s.roots.shape[0], self.width, self.kv.block_size
         dev = s.roots.device
         j = torch.arange(w, device=dev)
-        pos = s.base[:, None] + j  # [B, S]
-        logits = self._draft_block(s)  # [B, S - 1, V]
+        # positions base + j and their KV slots, [S, B] (the rows' RoPE positions are not clamped here)
+        at = ChainPositions.of(s.base, s.block_tables, bs, w, s.block_tables.shape[1] * bs)
+        logits = self._draft_block(s, at.positions.t())  # [B, S - 1, V]
         flat = logits.reshape(n * (w - 1), -1)
         sp = s.sampling
         if sp is None:
@@ -129,18 +130,17 @@ class DFlashChainStep(StepKind):
                                  keys).view(n, w - 1)
         tokens = torch.cat([s.roots[:, None], drafts], dim=1)
         # verify: S rows per request at base .. base + S - 1, every row's logits and the draft's target layers
-        rows = torch.arange(n, device=dev)[:, None]
-        slots = s.block_tables[rows, pos // bs] * bs + pos % bs
-        fb = ForwardBatch(input_ids=tokens.reshape(-1), positions=pos.reshape(-1), out_cache_loc=slots.reshape(-1),
+        positions = at.request_major(at.positions)
+        fb = ForwardBatch(input_ids=tokens.reshape(-1), positions=positions, out_cache_loc=at.request_major(at.slots),
                           seq_lens=s.base + w, block_tables=s.block_tables,
                           logits_indices=torch.arange(n * w, device=dev), query_lens=[w] * n, seq_lens_cpu=[w] * n,
                           capture_hidden_mode=CaptureHiddenMode.FULL)
         out = self.target(fb, self.kv, attn_meta=self.target.attn_backend.capture_metadata(fb, bs, w))
         targets = verify_targets(out.logits, sp, j)  # sampled row j: the plain sampler's draw draws + j
         # k, the bonus, and the next step's root and base in place (padding rows keep base 0)
-        acc = chain_accept(targets, tokens, slots.t(), s.base, s.live, s.roots)
+        acc = chain_accept(targets, tokens, at.slots, s.base, s.live, s.roots)
         # the context grows by the root and the accepted drafts (the other rows write the dummy slot 0)
-        self.draft.inject_context(out.hidden_states, pos.reshape(-1), acc.ext_slots, self.cache)
+        self.draft.inject_context(out.hidden_states, positions, acc.ext_slots, self.cache)
         if sp is not None:
             sp.advance(s.live, acc.accepted)
         return DFlashChainOutputs(tokens, acc.accepted, acc.bonus)
