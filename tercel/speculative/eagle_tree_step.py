@@ -225,7 +225,6 @@ class EagleTreeDraftStep(_DraftStep):
         return top_k_probs(logits, self.topk)
 
 
-
 @dataclass(slots=True)
 class _Leaves:
     """The tree draft loop's current leaves, K per request, best first."""
