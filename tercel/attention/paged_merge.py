@@ -67,12 +67,13 @@ def attend_paged_and_dense(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
     [R, H, D] in q's dtype; a row that sees no key at all gets zeros."""
     from ..kernels import use_triton
     from ..kernels.attention import decode_attention_partials
-    from ..kernels.paged_dense_merge import paged_dense_merge
 
     part_o, part_l = decode_attention_partials(q, cache_k, cache_v, paged.block_tables, paged.seq_lens,
                                                paged.page_size, scale, paged.num_splits)
     unit = all(t.stride(-1) == 1 for t in (q, dense_k, dense_v, dense_mask))
     if use_triton(q) and unit and dense_mask.dtype == torch.bool:
+        from ..kernels.paged_dense_merge import paged_dense_merge
+
         return paged_dense_merge(q, part_o, part_l, dense_k, dense_v, dense_mask, scale)
     return merge_dense_torch(q, part_o, part_l, dense_k, dense_v, dense_mask, scale)
 

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .rank import rank_tile
+
 
 @triton.jit
 def _ddtree_beams_kernel(LP, TK, SCORES, PARENTS, TOKENS, D: tl.constexpr, K: tl.constexpr, BUDGET: tl.constexpr,
@@ -45,9 +47,7 @@ def _ddtree_beams_kernel(LP, TK, SCORES, PARENTS, TOKENS, D: tl.constexpr, K: tl
             vj = (pj < width) & (kj < K)
             sj = tl.load(SCORES + out + offset + pj, mask=vj, other=0.0) + \
                 tl.load(lp_row + depth * K + kj, mask=vj, other=0.0)
-            beats = ((sj[None, :] > s[:, None]) | ((sj[None, :] == s[:, None]) & (fj[None, :] < f[:, None]))) \
-                & vj[None, :]
-            rank += tl.sum(beats.to(tl.int32), 1)
+            rank += rank_tile(s, f, sj, fj, vj)
         new_width = tl.minimum(width * K, BUDGET)
         keep = valid & (rank < new_width)
         at = out + offset + width + rank

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .rank import rank_tile
+
 
 @triton.jit
 def _tree_expand_kernel(CHILD_SCORES, CHILD_IDS, LEAF_SCORES, LEAF_CAND, MAP, HID_IN, HID_OUT, ANC,
@@ -47,9 +49,7 @@ def _tree_expand_kernel(CHILD_SCORES, CHILD_IDS, LEAF_SCORES, LEAF_CAND, MAP, HI
     tl.store(row + i, tok, mask=valid)
     tl.store(CAND_SCORES + b * cand_stride + cand_off + i, cum, mask=valid)
     tl.store(CAND_PARENTS + b * cand_stride + cand_off + i, parent, mask=valid)
-    beats = ((cum[None, :] > cum[:, None]) | ((cum[None, :] == cum[:, None]) & (i[None, :] < i[:, None]))) \
-        & valid[None, :]
-    rank = tl.sum(beats.to(tl.int32), 1)
+    rank = rank_tile(cum, i, cum, i, valid)
     keep = valid & (rank < K)
     tl.store(OUT_TOKENS + b * K + rank, tok, mask=keep)
     tl.store(OUT_SCORES + b * K + rank, cum, mask=keep)
@@ -119,8 +119,7 @@ def _tree_select_kernel(SCORES, PARENTS, TOKENS, NODE_OF, TREE_TOKENS, TREE_PARE
         j = j0 + tl.arange(0, BJ)
         vj = j < C
         sj = tl.load(SCORES + b * C + j, mask=vj, other=0.0)
-        beats = ((sj[None, :] > s[:, None]) | ((sj[None, :] == s[:, None]) & (j[None, :] < i[:, None]))) & vj[None, :]
-        rank += tl.sum(beats.to(tl.int32), 1)
+        rank += rank_tile(s, i, sj, j, vj)
     keep = valid & (rank < M)
     node = tl.cumsum(keep.to(tl.int32), 0)  # a kept candidate's node id, 1..M in candidate order
     tl.store(NODE_OF + b * C + i, node, mask=valid)

@@ -109,12 +109,12 @@ def select_tree(scores: torch.Tensor, parents: torch.Tensor, tokens: torch.Tenso
                 num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """select_tree_nodes_batched, then the kept candidates' tokens: (tree tokens, tree parents) [B, num_nodes]. On a
     GPU one Triton launch (kernels/tree_draft.py) instead of two sorts, a scatter and ~9 more."""
-    from ..kernels.tree_draft import TREE_SELECT_MAX_CANDIDATES
+    if use_triton(scores) and num_nodes <= scores.shape[1]:
+        from ..kernels.tree_draft import TREE_SELECT_MAX_CANDIDATES, tree_select
 
-    if use_triton(scores) and scores.shape[1] <= TREE_SELECT_MAX_CANDIDATES and num_nodes <= scores.shape[1]:
-        from ..kernels.tree_draft import tree_select
-
-        return tree_select(scores.float().contiguous(), parents.contiguous(), tokens.contiguous(), num_nodes)
+        if scores.shape[1] <= TREE_SELECT_MAX_CANDIDATES:
+            return tree_select(scores.float().contiguous(), parents.contiguous(), tokens.contiguous(),
+                               num_nodes)
     kept, tree_parents = select_tree_nodes_batched(scores, parents, num_nodes)
     return tokens.gather(1, kept), tree_parents
 
