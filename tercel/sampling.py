@@ -255,7 +255,7 @@ def sample_rows(logits: torch.Tensor, st: SamplingTensors, keys: torch.Tensor, v
             probs = probs.masked_fill(probs < st.min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
         ids = None if vocab_ids is None else vocab_ids.expand(x.shape[0], -1).contiguous()
         return race_keys(probs, keys, ids, id_vocab)
-    sx, order = torch.sort(x, dim=-1, descending=True)
+    sx, order = torch.sort(x, dim=-1, descending=True, stable=True)
     if st.any_top_k:
         kth = sx.gather(1, (st.top_k - 1)[:, None])
         sx = sx.masked_fill(sx < kth, float("-inf"))
@@ -270,20 +270,21 @@ def sample_rows(logits: torch.Tensor, st: SamplingTensors, keys: torch.Tensor, v
 
 def _sample_rows_fused(logits: torch.Tensor, st: SamplingTensors, keys: torch.Tensor,
                        vocab_ids: torch.Tensor | None, id_vocab: int | None) -> torch.Tensor:
-    """sample_rows on a GPU: the sort (when top-k or top-p is on), one filter launch, the race."""
-    from .kernels.sample_filter import filtered_probs
+    """sample_rows on a GPU. With top-k or top-p: the sort, then one launch filters and races over the kept
+    prefix (kernels/sample_filter.sample_sorted). The sort takes 16-bit logits as they are (half the radix
+    passes of float32; the same order, as the conversion is exact and both sorts are stable). Without: one filter
+    launch and the race."""
+    from .kernels.sample_filter import filtered_probs, sample_sorted
 
-    sort = st.any_top_k or st.any_top_p
-    x = logits.float().contiguous()
-    order = None
-    if sort:  # x / T keeps the order (T > 0): the kernel divides after the sort
-        x, order = torch.sort(x, dim=-1, descending=True)
-    probs = filtered_probs(x, st.temperature, st.top_k, st.top_p, st.min_p, sort, st.any_top_k, st.any_top_p,
-                           st.any_min_p)
-    if order is None:
-        ids = None if vocab_ids is None else vocab_ids.expand(x.shape[0], -1).contiguous()
-    else:
+    if st.any_top_k or st.any_top_p:  # x / T keeps the order (T > 0): the kernel divides after the sort
+        x = logits if logits.dtype in (torch.bfloat16, torch.float16) else logits.float()
+        x, order = torch.sort(x.contiguous(), dim=-1, descending=True, stable=True)
         ids = order if vocab_ids is None else vocab_ids[order]
+        return sample_sorted(x, ids, keys.to(x.device), st.temperature, st.top_k, st.top_p, st.min_p, st.any_top_k,
+                             st.any_top_p, st.any_min_p)
+    x = logits.float().contiguous()
+    probs = filtered_probs(x, st.temperature, st.top_k, st.top_p, st.min_p, False, False, False, st.any_min_p)
+    ids = None if vocab_ids is None else vocab_ids.expand(x.shape[0], -1).contiguous()
     return race_keys(probs, keys, ids, id_vocab)
 
 

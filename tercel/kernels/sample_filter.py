@@ -1,4 +1,5 @@
-"""A sampled row's filtered distribution in one launch (Triton): temperature, top-k, top-p and min-p.
+"""A sampled row's filtered distribution in one launch (Triton): temperature, top-k, top-p and min-p; with the
+race folded in, the row's draw itself.
 
 tercel.sampling.sample_rows works in the sorted domain: the logits sorted once, then per row x / T, top-k (keep
 values >= the k-th), the softmax, top-p (drop a position once the mass before it reaches top_p; the first always
@@ -14,6 +15,12 @@ Each probability is exp(x - max) / sum, as torch's softmax computes it; the sums
 reductions, so a probability may differ from torch's in its last bit (the race or the top-p boundary could then
 differ at a tie that close). Graph and eager steps, plain and speculative rows all sample through this kernel on
 a GPU, so they stay token for token equal; CPU runs keep torch's ops.
+
+`sample_sorted` runs the exponential race (kernels/race.py) inside the same program instead of storing the
+probabilities: the third pass walks only the kept prefix (top-k's and top-p's cut), draws each kept position's
+noise (of the token the sort put there) and keeps the best p / E, so no [N, V] probabilities are written or read
+back and the race's two launches go. The winner is the race's (the first position at a tie; positions past the
+cut score 0 and never win).
 """
 from __future__ import annotations
 
@@ -21,16 +28,19 @@ import torch
 import triton
 import triton.language as tl
 
+from .race import _GOLDEN, _MIX1, _MIX2, _noise
+
 BLOCK = 8192  # a few wide chunks per row: one program walks it, so each chunk's load latency counts
 
 
 @triton.jit
-def _sample_filter_kernel(X, T, TOP_K, TOP_P, MIN_P, OUT, stride_x, n_cols, SORTED: tl.constexpr,
-                          ANY_TOP_K: tl.constexpr, ANY_TOP_P: tl.constexpr, ANY_MIN_P: tl.constexpr,
-                          BLOCK: tl.constexpr):
+def _sample_filter_kernel(X, T, TOP_K, TOP_P, MIN_P, OUT, IDS, KEYS, stride_x, stride_ids, n_cols, GOLDEN, M1, M2,
+                          SORTED: tl.constexpr, ANY_TOP_K: tl.constexpr, ANY_TOP_P: tl.constexpr,
+                          ANY_MIN_P: tl.constexpr, RACE: tl.constexpr, BLOCK: tl.constexpr):
+    """OUT: the probabilities [N, V] (float32), or with RACE each row's drawn token id (int64 [N]): the race of the
+    kept positions against the noise of their tokens IDS[row, j] under the row's key KEYS[row]."""
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
-    out_row = OUT + row * n_cols
     offs = tl.arange(0, BLOCK)
     t = tl.load(T + row)
     # the shift: the first value of a sorted row, else the row's maximum
@@ -46,13 +56,15 @@ def _sample_filter_kernel(X, T, TOP_K, TOP_P, MIN_P, OUT, stride_x, n_cols, SORT
     if ANY_TOP_K:  # sorted: the k-th value; ties with it stay
         k = tl.load(TOP_K + row)
         kth = tl.math.div_rn(tl.load(x_row + k - 1).to(tl.float32), t)
-    # pass 1: the softmax's sum over what top-k keeps
+    # pass 1: the softmax's sum over what top-k keeps (sorted: a prefix, counted)
     acc = tl.zeros([BLOCK], tl.float32)
+    kept = tl.zeros([BLOCK], tl.int32)
     for c in range(0, n_cols, BLOCK):
         inside = c + offs < n_cols
         x = tl.math.div_rn(tl.load(x_row + c + offs, mask=inside, other=float("-inf")).to(tl.float32), t)
         keep = inside & (x >= kth)
         acc += tl.where(keep, tl.exp(x - m), 0.0)
+        kept += keep.to(tl.int32)
     s1 = tl.sum(acc, 0)
     # pass 2 (top-p): the mass before each position decides; the kept ones' sum is the second normaliser. Rows
     # are sorted, so once the mass before a chunk reaches top_p everything from there on drops: the walk stops
@@ -82,18 +94,39 @@ def _sample_filter_kernel(X, T, TOP_K, TOP_P, MIN_P, OUT, stride_x, n_cols, SORT
     floor = 0.0
     if ANY_MIN_P:  # zero below min_p times the largest probability (exp(0) / s2)
         floor = tl.load(MIN_P + row) * (1.0 / s2)
-    # pass 3: the probabilities; past the top-p prefix only zeros are stored (nothing to read or compute)
-    for c in range(0, n_cols, BLOCK):
-        inside = c + offs < n_cols
-        if c < kept_n:
+    if RACE:  # pass 3: the race over the kept prefix (top-k's and top-p's), the first position at a tie
+        if SORTED:
+            kept_n = tl.minimum(kept_n, tl.sum(kept, 0))
+        best_v = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_i = tl.full([BLOCK], n_cols, tl.int32)
+        for c in range(0, kept_n, BLOCK):
+            inside = c + offs < kept_n
             x = tl.math.div_rn(tl.load(x_row + c + offs, mask=inside, other=float("-inf")).to(tl.float32), t)
-            keep = inside & (x >= kth) & (c + offs < kept_n)
-            p = tl.where(keep, tl.exp(x - m) / s2, 0.0)
+            p = tl.where(inside & (x >= kth), tl.exp(x - m) / s2, 0.0)
             if ANY_MIN_P:
                 p = tl.where(p < floor, 0.0, p)
-            tl.store(out_row + c + offs, p, mask=inside)
-        else:
-            tl.store(out_row + c + offs, tl.zeros([BLOCK], tl.float32), mask=inside)
+            score = tl.math.div_rn(p, _noise(IDS, KEYS, row, c + offs, inside, stride_ids, GOLDEN, M1, M2, True))
+            score = tl.where(inside & (score == score), score, float("-inf"))  # NaN (a padding row's) never wins
+            better = score > best_v  # strict: a lane keeps its earlier position at a tie
+            best_v = tl.where(better, score, best_v)
+            best_i = tl.where(better, c + offs, best_i)
+        top = tl.max(best_v, 0)
+        pos = tl.min(tl.where(best_v == top, best_i, n_cols), 0)
+        pos = tl.where(top == float("-inf"), 0, tl.minimum(pos, n_cols - 1))
+        tl.store(OUT + row, tl.load(IDS + row * stride_ids + pos).to(tl.int64))
+    else:  # pass 3: the probabilities; past the top-p prefix only zeros are stored (nothing to read or compute)
+        out_row = OUT + row * n_cols
+        for c in range(0, n_cols, BLOCK):
+            inside = c + offs < n_cols
+            if c < kept_n:
+                x = tl.math.div_rn(tl.load(x_row + c + offs, mask=inside, other=float("-inf")).to(tl.float32), t)
+                keep = inside & (x >= kth) & (c + offs < kept_n)
+                p = tl.where(keep, tl.exp(x - m) / s2, 0.0)
+                if ANY_MIN_P:
+                    p = tl.where(p < floor, 0.0, p)
+                tl.store(out_row + c + offs, p, mask=inside)
+            else:
+                tl.store(out_row + c + offs, tl.zeros([BLOCK], tl.float32), mask=inside)
 
 
 def filtered_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -109,7 +142,27 @@ def filtered_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
     n, v = x.shape
     out = torch.empty((n, v), dtype=torch.float32, device=x.device)
     if n:
-        _sample_filter_kernel[(n,)](x, temperature, top_k, top_p, min_p, out, x.stride(0), v, SORTED=sorted_rows,
-                                    ANY_TOP_K=any_top_k, ANY_TOP_P=any_top_p, ANY_MIN_P=any_min_p, BLOCK=BLOCK,
-                                    num_warps=16)
+        _sample_filter_kernel[(n,)](x, temperature, top_k, top_p, min_p, out, out, top_k, x.stride(0), 0, v, _GOLDEN,
+                                    _MIX1, _MIX2, SORTED=sorted_rows, ANY_TOP_K=any_top_k, ANY_TOP_P=any_top_p,
+                                    ANY_MIN_P=any_min_p, RACE=False, BLOCK=BLOCK, num_warps=16)
+    return out
+
+
+def sample_sorted(x: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor, temperature: torch.Tensor,
+                  top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, any_top_k: bool, any_top_p: bool,
+                  any_min_p: bool) -> torch.Tensor:
+    """x [N, V] logits, each row sorted in descending order (any float dtype, last dim contiguous); ids [N, V]:
+    the token at each sorted position (last dim contiguous); keys [N] int64 stream keys; the per-row settings as
+    filtered_probs takes them -> int64 [N]: each row's draw, race_rows(filtered_probs(x, ...), keys, ids) in one
+    launch."""
+    if x.dim() != 2 or x.stride(-1) != 1 or ids.shape != x.shape or ids.stride(-1) != 1:
+        raise ValueError(f"sample_sorted needs [N, V] logits and ids with contiguous last dims, got "
+                         f"{tuple(x.shape)} and {tuple(ids.shape)}.")
+    n, v = x.shape
+    out = torch.empty(n, dtype=torch.long, device=x.device)
+    if n:
+        _sample_filter_kernel[(n,)](x, temperature, top_k, top_p, min_p, out, ids, keys.to(torch.int64).contiguous(),
+                                    x.stride(0), ids.stride(0), v, _GOLDEN, _MIX1, _MIX2, SORTED=True,
+                                    ANY_TOP_K=any_top_k, ANY_TOP_P=any_top_p, ANY_MIN_P=any_min_p, RACE=True,
+                                    BLOCK=BLOCK, num_warps=16)
     return out
