@@ -16,11 +16,11 @@ reductions, so a probability may differ from torch's in its last bit (the race o
 differ at a tie that close). Graph and eager steps, plain and speculative rows all sample through this kernel on
 a GPU, so they stay token for token equal; CPU runs keep torch's ops.
 
-`sample_sorted` runs the exponential race (kernels/race.py) inside the same program instead of storing the
-probabilities: the third pass walks only the kept prefix (top-k's and top-p's cut), draws each kept position's
-noise (of the token the sort put there) and keeps the best p / E, so no [N, V] probabilities are written or read
-back and the race's two launches go. The winner is the race's (the first position at a tie; positions past the
-cut score 0 and never win).
+`sample_sorted` runs the exponential race (kernels/race.py) in the same launch instead of storing the
+probabilities: a grid of (row, slice) programs, each makes the row's sums (passes 1 and 2) and then races its
+slice, drawing noise only for kept positions (of the token the sort put there); slices past top-k's or top-p's cut
+draw nothing. No [N, V] probabilities are written or read back, and the race's slice launch goes; its pick
+launch stays. The winner is the race's (the first position at a tie; positions past the cut score 0).
 """
 from __future__ import annotations
 
@@ -28,17 +28,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .race import _GOLDEN, _MIX1, _MIX2, _noise
+from .race import _GOLDEN, _MIX1, _MIX2, _noise, _race_pick_kernel
 
 BLOCK = 8192  # a few wide chunks per row: one program walks it, so each chunk's load latency counts
 
 
 @triton.jit
-def _sample_filter_kernel(X, T, TOP_K, TOP_P, MIN_P, OUT, IDS, KEYS, stride_x, stride_ids, n_cols, GOLDEN, M1, M2,
-                          SORTED: tl.constexpr, ANY_TOP_K: tl.constexpr, ANY_TOP_P: tl.constexpr,
+def _sample_filter_kernel(X, T, TOP_K, TOP_P, MIN_P, OUT, IDS, KEYS, PV, PI, stride_x, stride_ids, n_cols, num_slices,
+                          GOLDEN, M1, M2, SORTED: tl.constexpr, ANY_TOP_K: tl.constexpr, ANY_TOP_P: tl.constexpr,
                           ANY_MIN_P: tl.constexpr, RACE: tl.constexpr, BLOCK: tl.constexpr):
-    """OUT: the probabilities [N, V] (float32), or with RACE each row's drawn token id (int64 [N]): the race of the
-    kept positions against the noise of their tokens IDS[row, j] under the row's key KEYS[row]."""
+    """OUT: the probabilities [N, V] (float32); or with RACE, over a grid (N, slices of BLOCK), each slice's best
+    p / E and its position (PV, PI [N, slices]: race.py's _race_pick_kernel picks the row's draw), E the noise of
+    token IDS[row, j] under the row's key KEYS[row]. Each program of a row makes the row's sums itself."""
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
     offs = tl.arange(0, BLOCK)
@@ -94,26 +95,23 @@ def _sample_filter_kernel(X, T, TOP_K, TOP_P, MIN_P, OUT, IDS, KEYS, stride_x, s
     floor = 0.0
     if ANY_MIN_P:  # zero below min_p times the largest probability (exp(0) / s2)
         floor = tl.load(MIN_P + row) * (1.0 / s2)
-    if RACE:  # pass 3: the race over the kept prefix (top-k's and top-p's), the first position at a tie
+    if RACE:  # pass 3: this program's slice of the race (race.py's slices); past the cut p = 0, nothing to draw
         if SORTED:
             kept_n = tl.minimum(kept_n, tl.sum(kept, 0))
-        best_v = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_i = tl.full([BLOCK], n_cols, tl.int32)
-        for c in range(0, kept_n, BLOCK):
+        s = tl.program_id(1)
+        c = s * BLOCK
+        score = tl.where(c + offs < n_cols, 0.0, float("-inf"))
+        if c < kept_n:
             inside = c + offs < kept_n
             x = tl.math.div_rn(tl.load(x_row + c + offs, mask=inside, other=float("-inf")).to(tl.float32), t)
             p = tl.where(inside & (x >= kth), tl.exp(x - m) / s2, 0.0)
             if ANY_MIN_P:
                 p = tl.where(p < floor, 0.0, p)
-            score = tl.math.div_rn(p, _noise(IDS, KEYS, row, c + offs, inside, stride_ids, GOLDEN, M1, M2, True))
-            score = tl.where(inside & (score == score), score, float("-inf"))  # NaN (a padding row's) never wins
-            better = score > best_v  # strict: a lane keeps its earlier position at a tie
-            best_v = tl.where(better, score, best_v)
-            best_i = tl.where(better, c + offs, best_i)
-        top = tl.max(best_v, 0)
-        pos = tl.min(tl.where(best_v == top, best_i, n_cols), 0)
-        pos = tl.where(top == float("-inf"), 0, tl.minimum(pos, n_cols - 1))
-        tl.store(OUT + row, tl.load(IDS + row * stride_ids + pos).to(tl.int64))
+            drawn = tl.math.div_rn(p, _noise(IDS, KEYS, row, c + offs, inside, stride_ids, GOLDEN, M1, M2, True))
+            score = tl.where(inside, drawn, score)
+        score = tl.where(score == score, score, float("-inf"))  # NaN (a padding row's 0 / 0) never wins
+        tl.store(PV + row * num_slices + s, tl.max(score, 0))
+        tl.store(PI + row * num_slices + s, tl.minimum(c + tl.argmax(score, 0, tie_break_left=True), n_cols - 1))
     else:  # pass 3: the probabilities; past the top-p prefix only zeros are stored (nothing to read or compute)
         out_row = OUT + row * n_cols
         for c in range(0, n_cols, BLOCK):
@@ -142,9 +140,9 @@ def filtered_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
     n, v = x.shape
     out = torch.empty((n, v), dtype=torch.float32, device=x.device)
     if n:
-        _sample_filter_kernel[(n,)](x, temperature, top_k, top_p, min_p, out, out, top_k, x.stride(0), 0, v, _GOLDEN,
-                                    _MIX1, _MIX2, SORTED=sorted_rows, ANY_TOP_K=any_top_k, ANY_TOP_P=any_top_p,
-                                    ANY_MIN_P=any_min_p, RACE=False, BLOCK=BLOCK, num_warps=16)
+        _sample_filter_kernel[(n,)](x, temperature, top_k, top_p, min_p, out, out, top_k, out, out, x.stride(0), 0, v,
+                                    1, _GOLDEN, _MIX1, _MIX2, SORTED=sorted_rows, ANY_TOP_K=any_top_k,
+                                    ANY_TOP_P=any_top_p, ANY_MIN_P=any_min_p, RACE=False, BLOCK=BLOCK, num_warps=16)
     return out
 
 
@@ -161,8 +159,14 @@ def sample_sorted(x: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor, temper
     n, v = x.shape
     out = torch.empty(n, dtype=torch.long, device=x.device)
     if n:
-        _sample_filter_kernel[(n,)](x, temperature, top_k, top_p, min_p, out, ids, keys.to(torch.int64).contiguous(),
-                                    x.stride(0), ids.stride(0), v, _GOLDEN, _MIX1, _MIX2, SORTED=True,
-                                    ANY_TOP_K=any_top_k, ANY_TOP_P=any_top_p, ANY_MIN_P=any_min_p, RACE=True,
-                                    BLOCK=BLOCK, num_warps=16)
+        num_slices = triton.cdiv(v, BLOCK)
+        pv = torch.empty((n, num_slices), dtype=torch.float32, device=x.device)
+        pi = torch.empty((n, num_slices), dtype=torch.int32, device=x.device)
+        _sample_filter_kernel[(n, num_slices)](x, temperature, top_k, top_p, min_p, out, ids,
+                                               keys.to(torch.int64).contiguous(), pv, pi, x.stride(0), ids.stride(0),
+                                               v, num_slices, _GOLDEN, _MIX1, _MIX2, SORTED=True, ANY_TOP_K=any_top_k,
+                                               ANY_TOP_P=any_top_p, ANY_MIN_P=any_min_p, RACE=True, BLOCK=BLOCK,
+                                               num_warps=16)
+        _race_pick_kernel[(n,)](pv, pi, ids, out, ids.stride(0), num_slices, HAS_IDS=True,
+                                SLICES_PAD=max(2, triton.next_power_of_2(num_slices)), num_warps=1)
     return out
