@@ -49,6 +49,8 @@ def _params(name: str, tokens: int):
     sampling = SAMPLED if split_config(name)[0].endswith("-t1") else dict(temperature=0)
     return SamplingParams(max_tokens=tokens, ignore_eos=True, **sampling)
 _NOT_KERNELS = ("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")
+GAP_US = 4.0  # a longer idle gap between two kernels is the host's, a shorter one launch latency
+_SHORT_GAPS, _LONG_GAPS = "(idle: short gaps)", "(idle: long gaps)"
 
 
 def _engine(base, name: str, device: str, chained: bool):
@@ -93,12 +95,30 @@ def _kernels(llm, prompt: str, params) -> tuple[dict, int]:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     table: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    spans = []
     for e in prof.events():
         if e.device_type.name != "CUDA" or e.name.startswith(_NOT_KERNELS):
             continue
         table[e.name][0] += 1
         table[e.name][1] += e.time_range.elapsed_us()
+        spans.append((e.time_range.start, e.time_range.end))
+    table.update(_gaps(spans))
     return table, _steps(llm, out)
+
+
+def _gaps(spans: list[tuple[float, float]]) -> dict[str, list[float]]:
+    """The GPU's idle time between kernels, split at GAP_US: short gaps are launch latency inside a graph (one
+    kernel's end to the next one's start), long ones the device waiting for the host. Rows of the kernel table
+    under reserved names (count, µs), so the per-step difference below treats them like kernels."""
+    short, long_ = [0, 0.0], [0, 0.0]
+    end = None
+    for s, e in sorted(spans):
+        if end is not None and s > end:
+            bucket = short if s - end <= GAP_US else long_
+            bucket[0] += 1
+            bucket[1] += s - end
+        end = e if end is None else max(end, e)
+    return {_SHORT_GAPS: short, _LONG_GAPS: long_}
 
 
 def profile_kernels(llm, prompt: str, tokens: int, name: str = "plain") -> dict:
@@ -106,9 +126,14 @@ def profile_kernels(llm, prompt: str, tokens: int, name: str = "plain") -> dict:
     head, steps0 = _kernels(llm, prompt, _params(name, 1))
     n = max(1, steps - steps0)
     per = {k: (c - head.get(k, (0, 0.0))[0], us - head.get(k, (0, 0.0))[1]) for k, (c, us) in full.items()}
+    gaps = {k: per.pop(k) for k in (_SHORT_GAPS, _LONG_GAPS)}
     top = sorted(per.items(), key=lambda kv: -kv[1][1])[:20]
     return {"steps": n, "kernels_per_step": round(sum(c for c, _ in per.values()) / n, 1),
             "device_us_per_step": round(sum(us for _, us in per.values()) / n, 1),
+            # idle between kernels per step: launch latency (gaps <= GAP_US) and waits for the host (longer)
+            "short_gap_us_per_step": round(gaps[_SHORT_GAPS][1] / n, 1),
+            "long_gap_us_per_step": round(gaps[_LONG_GAPS][1] / n, 1),
+            "long_gaps_per_step": round(gaps[_LONG_GAPS][0] / n, 2),
             "top_kernels": [{"name": k[:120], "per_step": round(c / n, 2), "us_per_step": round(us / n, 1)}
                             for k, (c, us) in top]}
 
@@ -173,8 +198,10 @@ def main() -> None:
                 llm.engine.shutdown()
         res["results"][name] = entry
         k = entry["kernels"]
-        print(f"{name:14s} {k['kernels_per_step']:7.1f} kernels/step {k['device_us_per_step']:8.1f} µs/step  "
-              f"phases {entry.get('phases_unchained', {}) and entry['phases_unchained']['gpu_us']}", flush=True)
+        print(f"{name:14s} {k['kernels_per_step']:7.1f} kernels/step {k['device_us_per_step']:8.1f} µs/step  idle "
+              f"{k['short_gap_us_per_step']:.0f} short + {k['long_gap_us_per_step']:.0f} long "
+              f"({k['long_gaps_per_step']} gaps)  phases "
+              f"{entry.get('phases_unchained', {}) and entry['phases_unchained']['gpu_us']}", flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     print("wrote", args.out)
