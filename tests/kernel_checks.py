@@ -693,6 +693,44 @@ def check_sample_filter(device: str, dtype: torch.dtype) -> None:
         assert torch.equal(got > 0, want > 0) and torch.allclose(got, want, rtol=1e-5, atol=1e-9), v
 
 
+def check_norm_rope(device: str, dtype: torch.dtype) -> None:
+    """The one-launch per-head norm + RoPE (kernels/fused.rms_norm_rope, a DFlash draft's q and k) equals
+    apply_rope(RMSNorm(x)) through torch: heads off a power of two, x a column slice of a wider projection, cos /
+    sin the rope table's strided views, head dims 64 and 128; DFlashAttention's q / k / v take it."""
+    from graph_utils import TINY
+
+    from tercel.config import ModelConfig
+    from tercel.kernels.fused import rms_norm_rope
+    from tercel.models import dflash
+    from tercel.models.llama import RMSNorm
+    from tercel.models.rope import RotaryEmbedding, apply_rope
+
+    g = torch.Generator(device="cpu").manual_seed(41)
+    for n, heads, d in [(16, 9, 64), (5, 3, 64), (7, 4, 128), (1, 1, 64)]:
+        cfg = ModelConfig.from_hf_dict({**TINY, "hidden_size": heads * d, "num_attention_heads": heads,
+                                        "num_key_value_heads": heads, "head_dim": d})
+        rope = RotaryEmbedding(cfg, 64, dtype).to(device)
+        norm = RMSNorm(d, 1e-6).to(device, dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(d, generator=g) + 0.5)
+        wide = (torch.randn(n, heads * d + 24, generator=g) * 2).to(device, dtype)
+        x = wide[:, :heads * d].view(n, heads, d)  # rows strided past the heads
+        cos, sin = rope.lookup(torch.randint(0, 64, (n,), generator=g).to(device))
+        with torch.no_grad():
+            got = rms_norm_rope(x, norm.weight, norm.eps, cos, sin)
+            with _TorchPaths(sys.modules["tercel.models.llama"]):
+                want = apply_rope(norm(x), cos, sin)
+        assert got.shape == want.shape and _rel(got, want) < _tol(dtype) / 4, (n, heads, d, _rel(got, want))
+        with torch.no_grad():  # the model's path takes it: q, k of a DFlash attention layer
+            attn = dflash.DFlashAttention(cfg, 0).to(device, dtype)
+            h = wide[:, :heads * d].reshape(1, n, heads * d).contiguous()
+            fused = attn._qkv(h, cos, sin)
+            with _TorchPaths(dflash, sys.modules["tercel.models.llama"]):
+                ref = attn._qkv(h, cos, sin)
+        for a, b in zip(fused, ref):
+            assert _rel(a, b) < _tol(dtype) / 4, (n, heads, d, _rel(a, b))
+
+
 def check_stream_keys(device: str, dtype: torch.dtype) -> None:
     """The one-launch stream keys equal torch's int64 arithmetic bit for bit: 1-D, 2-D, broadcast columns and rows,
     strided views, a 0-d seed, negative seeds; tercel.sampling.stream_keys takes it on the device."""
@@ -1080,7 +1118,7 @@ ALL = [check_race, check_argmax, check_norms, check_rope_store, check_decode, ch
        check_stream_keys,
        check_sample_filter, check_tree_accept, check_ddtree_beams, check_race_logits,
        check_topk_rows, check_draft_rope_attention, check_draft_mlp_fused, check_tree_draft,
-       check_chain_positions]
+       check_chain_positions, check_norm_rope]
 
 
 def run_in_interpreter(check: str, timeout: int = 300) -> None:

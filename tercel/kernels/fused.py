@@ -103,6 +103,47 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _norm_rope_kernel(X, W, COS, SIN, Y, stride_xn, stride_xh, stride_cn, stride_sn, stride_yn, stride_yh, n_heads,
+                      eps, D: tl.constexpr, HP: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, HP)[:, None]
+    d = tl.arange(0, D)[None, :]
+    partner = tl.where(d < D // 2, d + D // 2, d - D // 2)  # rotate-half's source column
+    m = (h < n_heads) & (d < D)
+    row = X + n * stride_xn + h * stride_xh
+    x = tl.load(row + d, mask=m, other=0.0)
+    xp = tl.load(row + partner, mask=m, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]
+    # each op rounds to the model dtype where torch's RMSNorm and apply_rope do
+    y = ((xf * rstd).to(x.dtype).to(tl.float32) * tl.load(W + d).to(tl.float32)).to(x.dtype).to(tl.float32)
+    yp = ((xp.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * tl.load(W + partner).to(tl.float32))
+    yp = yp.to(x.dtype).to(tl.float32)
+    rot = tl.where(d < D // 2, -yp, yp)
+    c = tl.load(COS + n * stride_cn + d).to(tl.float32)
+    s = tl.load(SIN + n * stride_sn + d).to(tl.float32)
+    out = (y * c).to(x.dtype).to(tl.float32) + (rot * s).to(x.dtype).to(tl.float32)
+    tl.store(Y + n * stride_yn + h * stride_yh + d, out.to(x.dtype), mask=m)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope(rms_norm(x), cos, sin) per head in one launch (a DFlash draft's q / k norms): x [N, H, D] (last
+    dim contiguous, D a power of two), weight [D], cos / sin [N, 1, D] (rows strided, last dim contiguous) ->
+    a new [N, H, D] tensor."""
+    n, heads, d = x.shape
+    if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or d & (d - 1):
+        raise ValueError(f"rms_norm_rope needs contiguous last dims and a power-of-two head dim, got x "
+                         f"{tuple(x.shape)} (strides {x.stride()}).")
+    y = torch.empty((n, heads, d), dtype=x.dtype, device=x.device)
+    if n:
+        _norm_rope_kernel[(n,)](x, weight, cos, sin, y, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
+                                y.stride(0), y.stride(1), heads, eps, D=d, HP=triton.next_power_of_2(heads),
+                                num_warps=4)
+    return y
+
+
+@triton.jit
 def _rope_store_kernel(QK, V, COS, SIN, LOC, QOUT, KC, VC,
                        stride_qkt, stride_qkh, stride_vt, stride_vh, stride_ct, stride_st,
                        stride_qot, stride_qoh, stride_kcs, stride_kch, stride_vcs, stride_vch,
