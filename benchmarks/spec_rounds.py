@@ -76,11 +76,12 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _spec_counts(llm) -> tuple[int, int, int, dict]:
+def _spec_counts(llm) -> tuple[int, int, int, int, float, dict]:
     s = llm.engine.spec_stats()
     if s is None:
-        return 0, 0, 0, {}
-    return s.verify_steps, s.accepted_tokens, s.plain_window_steps, dict(s.width_histogram)
+        return 0, 0, 0, 0, 0.0, {}
+    return (s.verify_steps, s.accepted_tokens, s.plain_window_steps, s.chain_reads, s.chain_wait_s,
+            dict(s.width_histogram))
 
 
 def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
@@ -100,11 +101,14 @@ def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
     _sync()
     wall = time.perf_counter() - t0
     after = _spec_counts(llm)
-    steps, acc, plain_w = (a - b for a, b in zip(after[:3], before[:3]))
-    widths = {w: n - before[3].get(w, 0) for w, n in after[3].items() if n != before[3].get(w, 0)}
+    steps, acc, plain_w, reads, wait = (a - b for a, b in zip(after[:5], before[:5]))
+    widths = {w: n - before[5].get(w, 0) for w, n in after[5].items() if n != before[5].get(w, 0)}
+    # the host's wait at each chained read: near a step's device time when the device sets the pace, near 0
+    # when the host does
     return dict(tok_s=n / wall, tokens=n, wall_s=wall, verify_steps=steps,
                 accept_length=(acc + steps) / steps if steps else None, plain_window_steps=plain_w,
-                steps_by_width=widths)
+                steps_by_width=widths, wall_us_per_step=1e6 * wall / steps if steps else None,
+                chain_wait_us_per_read=1e6 * wait / reads if reads else None)
 
 
 def build(base, names: list[str], extra: dict, device: str) -> dict:
@@ -157,7 +161,10 @@ def rounds(llms: dict, convs_by_c: dict, rounds_n: int, tokens_by_c: dict, resul
                 results.setdefault(name, {}).setdefault(str(c), []).append(point)
                 print(f"round {r} c={c} {name}: {point['tok_s']:.0f} tok/s"
                       + (f" ({point['tok_s'] / paired:.3f}x {ref} just before)" if paired else "")
-                      + f" accept {point['accept_length']} steps by width {point['steps_by_width']}", flush=True)
+                      + f" accept {point['accept_length']} steps by width {point['steps_by_width']}"
+                      + (f" wall {point['wall_us_per_step']:.0f} us/step, host waits "
+                         f"{point['chain_wait_us_per_read']:.0f} us/read"
+                         if point.get("chain_wait_us_per_read") is not None else ""), flush=True)
             write()
 
 

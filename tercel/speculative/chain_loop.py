@@ -167,8 +167,12 @@ class ChainLoop:
     def _collect(self, w: InflightChain, timed: bool = False) -> list[RequestOutput]:
         """Append each request's accepted drafts and bonus token with the usual stop checks. A request that
         stopped (or was aborted) before this step is skipped: its tokens here are discarded."""
+        stats = self.worker.stats
         if w.ready is not None:
+            t0 = time.perf_counter()
             w.ready.synchronize()
+            stats.chain_reads += 1
+            stats.chain_wait_s += time.perf_counter() - t0
         rows = w.host.tolist()  # the step's one device -> host read
         eng, width = self.engine, self.width
         ada = self.worker.adaptive
@@ -176,7 +180,7 @@ class ChainLoop:
         if ada is not None and timed and self._last_read is not None:
             ada.costs.observe(len(w.reqs), width, now - self._last_read)  # steady state: one step per read
         self._last_read = now if timed else None
-        self.worker.stats.width_histogram[width] = self.worker.stats.width_histogram.get(width, 0) + 1
+        stats.width_histogram[width] = stats.width_histogram.get(width, 0) + 1
         outputs: list[RequestOutput] = []
         for r, row in zip(w.reqs, rows):
             if r.finish_reason is not None:

@@ -13,6 +13,10 @@ class SpecStats:
     accept_histogram: list[int] = field(default_factory=list)
     width_histogram: dict[int, int] = field(default_factory=dict)  # adaptive: steps per chosen width (1: plain)
     plain_window_steps: int = 0  # adaptive: plain steps run as the engine's decode windows (part of width 1)
+    # chained steps read back on a GPU, and the host's time blocked at those reads: about a step's time each when
+    # the device sets the pace, near zero when the host does (a benchmark's diagnosis, tercel bench / spec_rounds)
+    chain_reads: int = 0
+    chain_wait_s: float = 0.0
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.verify_steps += 1
