@@ -255,7 +255,7 @@ def sample_rows(logits: torch.Tensor, st: SamplingTensors, keys: torch.Tensor, v
             probs = probs.masked_fill(probs < st.min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
         ids = None if vocab_ids is None else vocab_ids.expand(x.shape[0], -1).contiguous()
         return race_keys(probs, keys, ids, id_vocab)
-    sx, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    sx, order = torch.sort(x, dim=-1, descending=True)
     if st.any_top_k:
         kth = sx.gather(1, (st.top_k - 1)[:, None])
         sx = sx.masked_fill(sx < kth, float("-inf"))
@@ -272,8 +272,8 @@ def _sample_rows_fused(logits: torch.Tensor, st: SamplingTensors, keys: torch.Te
                        vocab_ids: torch.Tensor | None, id_vocab: int | None) -> torch.Tensor:
     """sample_rows on a GPU. With top-k or top-p: the sort, then one launch filters and races over the kept
     prefix (kernels/sample_filter.sample_sorted). The sort takes 16-bit logits as they are (half the radix
-    passes of float32; the same order, as the conversion is exact and both sorts are stable). Without: one filter
-    launch and the race."""
+    passes of float32; the same order: the conversion is exact and the sort stable, as CUDA's radix sort of a row
+    this wide is anyway). Without: one filter launch and the race."""
     from .kernels.sample_filter import filtered_probs, sample_sorted
 
     if st.any_top_k or st.any_top_p:  # x / T keeps the order (T > 0): the kernel divides after the sort
