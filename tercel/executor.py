@@ -42,6 +42,11 @@ CHAIN = StepKey("chain")  # draft, verify, accept and draft_extend as one chaine
 CHAIN_SAMPLED = StepKey("chain_sampled")  # the same for batches with sampled (T > 0) requests
 
 
+def sampled_decode_key(filtered: bool, mixed: bool) -> StepKey:
+    """Plain decode with each row's draw inside the step (graphs/sampled_decode.py), per variant."""
+    return StepKey("decode_sampled" + ("+filtered" if filtered else "") + ("+mixed" if mixed else ""))
+
+
 def verify_key(width: int) -> StepKey:
     """Target verify of `width` tokens per request."""
     return StepKey("verify", width)
@@ -72,15 +77,21 @@ class Executor:
         return [torch.tensor(x, dtype=torch.long, device=self.device) for x in lists]
 
     def register(self, kind: StepKey, step: StepKind, config: GraphConfig | None = None,
-                 mode: CaptureHiddenMode = CaptureHiddenMode.NULL) -> CudaGraphRunner | None:
+                 mode: CaptureHiddenMode = CaptureHiddenMode.NULL, lazy: bool = False,
+                 pool_of: StepKey | None = None) -> CudaGraphRunner | None:
         """`step` serves `kind`. With a graph config, a runner for it is built and every bucket captured
-        now (at `mode`); without, the step runs eagerly until a later register captures it."""
+        now (at `mode`), or with `lazy` each bucket when a batch first needs it; without, the step runs eagerly
+        until a later register captures it. pool_of: share that kind's graph memory pool (steps that never
+        run concurrently, as every step here)."""
         self.steps[kind] = step
         if config is None:
             return None
-        runner = CudaGraphRunner(step, config, self.device, stream=self.capture_stream)
-        with torch.inference_mode():
-            runner.capture_all(mode)
+        shared = self.runners.get(pool_of) if pool_of is not None else None
+        runner = CudaGraphRunner(step, config, self.device, stream=self.capture_stream,
+                                 pool=shared.pool if shared is not None else None)
+        if not lazy:
+            with torch.inference_mode():
+                runner.capture_all(mode)
         self.runners[kind] = runner
         return runner
 

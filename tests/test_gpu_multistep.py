@@ -43,12 +43,13 @@ def _prompts(engine, n):
             for i in range(n)]
 
 
-def _generate(engine, prompts, max_tokens, ignore_eos=True, temperature=0.0):
+def _generate(engine, prompts, max_tokens, ignore_eos=True, temperature: float | list[float] = 0.0, top_p=0.95):
     from tercel import SamplingParams
 
-    ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=temperature, top_p=0.95, seed=i,
+    temps = temperature if isinstance(temperature, list) else [temperature] * len(prompts)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=t, top_p=top_p, seed=i,
                                                 ignore_eos=ignore_eos))
-           for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+           for i, (p, m, t) in enumerate(zip(prompts, max_tokens, temps))]
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -93,6 +94,23 @@ def test_multistep_seeded_sampling(engines, variant):
     assert _generate(multi, prompts, [50] * 5, temperature=0.8) == want
 
 
+@VARIANTS
+def test_mixed_greedy_and_sampled_windows(engines, variant):
+    """A window mixing greedy and sampled requests (top-p, and unfiltered) draws inside the decode graph
+    (graphs/sampled_decode.py): the greedy rows take the argmax, every row equals the single-step engine's."""
+    from tercel.executor import sampled_decode_key
+
+    single, multi = engines[0], engines[1][variant]
+    prompts = _prompts(single, 6)
+    for temps, filtered in (([0.0, 0.8, 0.0, 1.0, 0.7, 0.0], True), ([1.0] * 3 + [0.0] * 3, True)):
+        want = _generate(single, prompts, [40] * 6, temperature=temps)
+        assert _generate(multi, prompts, [40] * 6, temperature=temps) == want
+        assert multi.executor.runner(sampled_decode_key(filtered, True)).stats.replays > 0
+    want = _generate(single, prompts[:3], [30] * 3, temperature=1.0, top_p=1.0)
+    assert _generate(multi, prompts[:3], [30] * 3, temperature=1.0, top_p=1.0) == want
+    assert multi.executor.runner(sampled_decode_key(False, False)).stats.replays > 0
+
+
 @pytest.mark.parametrize("variant", ["multistep", "multistep-overlap"])
 def test_window_forwards_never_sync(engines, variant):
     multi = engines[1][variant]
@@ -100,12 +118,12 @@ def test_window_forwards_never_sync(engines, variant):
     seen: list[int] = []
     real_multi, real_run = multi._launch_window, multi.run_model
 
-    def run_model(batch):
+    def run_model(batch, *kind):
         if not windows:
-            return real_run(batch)
+            return real_run(batch, *kind)
         torch.cuda.set_sync_debug_mode("error")  # any host sync inside a window's forward raises
         try:
-            return real_run(batch)
+            return real_run(batch, *kind)
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
@@ -117,6 +135,7 @@ def test_window_forwards_never_sync(engines, variant):
         finally:
             windows.clear()
 
+    _generate(multi, _prompts(multi, 4), [16] * 4, temperature=0.8)  # capture the sampled decode graph first
     multi.run_model, multi._launch_window = run_model, launch_window
     try:
         _generate(multi, _prompts(multi, 4), [64] * 4)

@@ -194,6 +194,28 @@ def test_seeded_sampling_in_windows_equals_single_step(tiny_loaded, steps, overl
 
 
 @MODES
+def test_sampled_windows_draw_inside_the_decode_graph(tiny_loaded, steps, overlap):
+    """With decode graphs (breakable-debug on CPU), a window's sampled rows decode and draw in one replay of the
+    sampled decode step (graphs/sampled_decode.py): the single-step engine's tokens, greedy rows of a mixed batch
+    by argmax, a variant per filter set (top-p / top-k, or none), padded buckets (3 live -> 4)."""
+    from tercel.executor import sampled_decode_key
+
+    prompts = tiny_prompts(3, seed=11)
+    mixes = {(True, True): [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=1),
+                            SamplingParams(max_tokens=12, temperature=0),
+                            SamplingParams(max_tokens=12, temperature=1.3, top_k=20, min_p=0.01, seed=2)],
+             (False, False): [SamplingParams(max_tokens=12, temperature=1.1, seed=i) for i in range(3)]}
+    for (filtered, mixed), params in mixes.items():
+        want = run(tiny_engine(tiny_loaded, 1), prompts, params)
+        ms = tiny_engine(tiny_loaded, steps, overlap, cuda_graph_backend="breakable-debug", cuda_graph_bs=[1, 2, 4])
+        windows = count_windows(ms)
+        assert run(ms, prompts, params) == want, (filtered, mixed)
+        runner = ms.executor.runner(sampled_decode_key(filtered, mixed))
+        assert windows and runner is not None and runner.stats.replays >= sum(windows) // 2
+        assert set(runner.graphs) <= {1, 2, 4} and 4 in runner.graphs
+
+
+@MODES
 def test_penalties_logprobs_and_min_tokens_take_single_steps(tiny_loaded, steps, overlap):
     prompts = tiny_prompts(4, seed=5)
     for special in (SamplingParams(max_tokens=9, temperature=0, repetition_penalty=1.3),

@@ -171,6 +171,11 @@ class CudaGraphRunner:
         self._stream: Any = stream
         self._logged: set[str] = set()
 
+    @property
+    def pool(self) -> Any:
+        """The graphs' memory pool (None until the first CUDA capture)."""
+        return self._pool
+
     # ---- capture -------------------------------------------------------------------------
     def capture_all(self, mode: CaptureHiddenMode = CaptureHiddenMode.NULL) -> None:
         with collector_paused():
