@@ -16,11 +16,14 @@ reductions, so a probability may differ from torch's in its last bit (the race o
 differ at a tie that close). Graph and eager steps, plain and speculative rows all sample through this kernel on
 a GPU, so they stay token for token equal; CPU runs keep torch's ops.
 
-`sample_sorted` runs the exponential race (kernels/race.py) in the same launch instead of storing the
-probabilities: a grid of (row, slice) programs, each makes the row's sums (passes 1 and 2) and then races its
-slice, drawing noise only for kept positions (of the token the sort put there); slices past top-k's or top-p's cut
-draw nothing. No [N, V] probabilities are written or read back, and the race's slice launch goes; its pick
-launch stays. The winner is the race's (the first position at a tie; positions past the cut score 0).
+`sample_sorted` draws the token itself, in two launches over a grid of (row, slice) programs and the race's
+pick, with no walk along the row: the first makes each slice's share of the softmax's sum (over what top-k
+keeps); the second reads the row's shares, so each slice knows the mass before it (top-p: a slice wholly past
+the cut draws nothing, the one it falls in finds it with a cumsum of its own), and races its kept positions
+(the noise of the token the sort put there). The race needs no second normaliser: p / E and exp(x - max) / E
+share their argmax, and min-p's floor (min_p times the largest probability) is min_p in exp(x - max) units.
+No [N, V] probabilities are written or read back. The winner is the race's (the first position at a tie;
+positions past the cut score 0).
 """
 from __future__ import annotations
 
@@ -31,15 +34,14 @@ import triton.language as tl
 from .race import _GOLDEN, _MIX1, _MIX2, _noise, _race_pick_kernel
 
 BLOCK = 8192  # a few wide chunks per row: one program walks it, so each chunk's load latency counts
+RACE_BLOCK = 2048  # sample_sorted's slices: each program reads one, and a row's slices fill the GPU
 
 
 @triton.jit
-def _sample_filter_kernel(X, T, TOP_K, TOP_P, MIN_P, OUT, IDS, KEYS, PV, PI, stride_x, stride_ids, n_cols, num_slices,
-                          GOLDEN, M1, M2, SORTED: tl.constexpr, ANY_TOP_K: tl.constexpr, ANY_TOP_P: tl.constexpr,
-                          ANY_MIN_P: tl.constexpr, RACE: tl.constexpr, BLOCK: tl.constexpr):
-    """OUT: the probabilities [N, V] (float32); or with RACE, over a grid (N, slices of BLOCK), each slice's best
-    p / E and its position (PV, PI [N, slices]: race.py's _race_pick_kernel picks the row's draw), E the noise of
-    token IDS[row, j] under the row's key KEYS[row]. Each program of a row makes the row's sums itself."""
+def _sample_filter_kernel(X, T, TOP_K, TOP_P, MIN_P, OUT, stride_x, n_cols, SORTED: tl.constexpr,
+                          ANY_TOP_K: tl.constexpr, ANY_TOP_P: tl.constexpr, ANY_MIN_P: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """OUT: the probabilities [N, V] (float32), one program per row."""
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
     offs = tl.arange(0, BLOCK)
@@ -95,36 +97,80 @@ def _sample_filter_kernel(X, T, TOP_K, TOP_P, MIN_P, OUT, IDS, KEYS, PV, PI, str
     floor = 0.0
     if ANY_MIN_P:  # zero below min_p times the largest probability (exp(0) / s2)
         floor = tl.load(MIN_P + row) * (1.0 / s2)
-    if RACE:  # pass 3: this program's slice of the race (race.py's slices); past the cut p = 0, nothing to draw
-        if SORTED:
-            kept_n = tl.minimum(kept_n, tl.sum(kept, 0))
-        s = tl.program_id(1)
-        c = s * BLOCK
-        score = tl.where(c + offs < n_cols, 0.0, float("-inf"))
+    # pass 3: the probabilities; past the top-p prefix only zeros are stored (nothing to read or compute)
+    out_row = OUT + row * n_cols
+    for c in range(0, n_cols, BLOCK):
+        inside = c + offs < n_cols
         if c < kept_n:
-            inside = c + offs < kept_n
             x = tl.math.div_rn(tl.load(x_row + c + offs, mask=inside, other=float("-inf")).to(tl.float32), t)
-            p = tl.where(inside & (x >= kth), tl.exp(x - m) / s2, 0.0)
+            keep = inside & (x >= kth) & (c + offs < kept_n)
+            p = tl.where(keep, tl.exp(x - m) / s2, 0.0)
             if ANY_MIN_P:
                 p = tl.where(p < floor, 0.0, p)
-            drawn = tl.math.div_rn(p, _noise(IDS, KEYS, row, c + offs, inside, stride_ids, GOLDEN, M1, M2, True))
-            score = tl.where(inside, drawn, score)
-        score = tl.where(score == score, score, float("-inf"))  # NaN (a padding row's 0 / 0) never wins
-        tl.store(PV + row * num_slices + s, tl.max(score, 0))
-        tl.store(PI + row * num_slices + s, tl.minimum(c + tl.argmax(score, 0, tie_break_left=True), n_cols - 1))
-    else:  # pass 3: the probabilities; past the top-p prefix only zeros are stored (nothing to read or compute)
-        out_row = OUT + row * n_cols
-        for c in range(0, n_cols, BLOCK):
-            inside = c + offs < n_cols
-            if c < kept_n:
-                x = tl.math.div_rn(tl.load(x_row + c + offs, mask=inside, other=float("-inf")).to(tl.float32), t)
-                keep = inside & (x >= kth) & (c + offs < kept_n)
-                p = tl.where(keep, tl.exp(x - m) / s2, 0.0)
-                if ANY_MIN_P:
-                    p = tl.where(p < floor, 0.0, p)
-                tl.store(out_row + c + offs, p, mask=inside)
-            else:
-                tl.store(out_row + c + offs, tl.zeros([BLOCK], tl.float32), mask=inside)
+            tl.store(out_row + c + offs, p, mask=inside)
+        else:
+            tl.store(out_row + c + offs, tl.zeros([BLOCK], tl.float32), mask=inside)
+
+
+@triton.jit
+def _sorted_row_head(X, T, TOP_K, row, stride_x, ANY_TOP_K: tl.constexpr):
+    """A sorted row's pointer, temperature, shift (its first value / T) and top-k's value (-inf when off)."""
+    x_row = X + row * stride_x
+    t = tl.load(T + row)
+    m = tl.math.div_rn(tl.load(x_row).to(tl.float32), t)
+    kth = float("-inf")
+    if ANY_TOP_K:  # the k-th value; ties with it stay
+        kth = tl.math.div_rn(tl.load(x_row + tl.load(TOP_K + row) - 1).to(tl.float32), t)
+    return x_row, t, m, kth
+
+
+@triton.jit
+def _sorted_shares_kernel(X, T, TOP_K, SHARE, stride_x, n_cols, num_slices, ANY_TOP_K: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """SHARE[row, s]: slice s's sum of exp(x / T - shift) over what top-k keeps."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    x_row, t, m, kth = _sorted_row_head(X, T, TOP_K, row, stride_x, ANY_TOP_K)
+    offs = s * BLOCK + tl.arange(0, BLOCK)
+    x = tl.math.div_rn(tl.load(x_row + offs, mask=offs < n_cols, other=float("-inf")).to(tl.float32), t)
+    tl.store(SHARE + row * num_slices + s, tl.sum(tl.where(x >= kth, tl.exp(x - m), 0.0), 0))
+
+
+@triton.jit
+def _sorted_race_kernel(X, T, TOP_K, TOP_P, MIN_P, SHARE, IDS, KEYS, PV, PI, stride_x, stride_ids, n_cols, num_slices,
+                        GOLDEN, M1, M2, ANY_TOP_K: tl.constexpr, ANY_TOP_P: tl.constexpr, ANY_MIN_P: tl.constexpr,
+                        BLOCK: tl.constexpr, SLICES_PAD: tl.constexpr):
+    """Slice s's best e / E over its kept positions and where (PV, PI [N, slices]: race.py's _race_pick_kernel
+    picks the row's draw), e = exp(x / T - shift), E the noise of token IDS[row, j] under the row's key."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    x_row, t, m, kth = _sorted_row_head(X, T, TOP_K, row, stride_x, ANY_TOP_K)
+    j = tl.arange(0, SLICES_PAD)
+    shares = tl.load(SHARE + row * num_slices + j, mask=j < num_slices, other=0.0)
+    total = tl.sum(shares, 0)
+    offs = s * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n_cols
+    live = True  # top-p: the mass before this slice has not reached the cut
+    if ANY_TOP_P:
+        top_p = tl.load(TOP_P + row)
+        cut = tl.where(top_p < 1.0, top_p, float("inf"))  # 1: off
+        before_slice = tl.sum(tl.where(j < s, shares, 0.0), 0) / total
+        live = before_slice < cut
+    score = tl.where(inside, 0.0, float("-inf"))
+    if live:
+        x = tl.math.div_rn(tl.load(x_row + offs, mask=inside, other=float("-inf")).to(tl.float32), t)
+        e = tl.where(inside & (x >= kth), tl.exp(x - m), 0.0)
+        keep = e > 0.0
+        if ANY_TOP_P:  # drop a position once the mass before it reaches top_p (the first always stays)
+            p = e / total
+            keep = keep & (before_slice + tl.cumsum(p, 0) - p < cut)
+        if ANY_MIN_P:  # below min_p times the largest probability (e = 1 at the top)
+            keep = keep & (e >= tl.load(MIN_P + row))
+        drawn = tl.math.div_rn(e, _noise(IDS, KEYS, row, offs, keep, stride_ids, GOLDEN, M1, M2, True))
+        score = tl.where(keep, drawn, score)
+    score = tl.where(score == score, score, float("-inf"))  # NaN (a padding row's 0 / 0) never wins
+    tl.store(PV + row * num_slices + s, tl.max(score, 0))
+    tl.store(PI + row * num_slices + s, tl.minimum(s * BLOCK + tl.argmax(score, 0, tie_break_left=True), n_cols - 1))
 
 
 def filtered_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -140,9 +186,9 @@ def filtered_probs(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
     n, v = x.shape
     out = torch.empty((n, v), dtype=torch.float32, device=x.device)
     if n:
-        _sample_filter_kernel[(n,)](x, temperature, top_k, top_p, min_p, out, out, top_k, out, out, x.stride(0), 0, v,
-                                    1, _GOLDEN, _MIX1, _MIX2, SORTED=sorted_rows, ANY_TOP_K=any_top_k,
-                                    ANY_TOP_P=any_top_p, ANY_MIN_P=any_min_p, RACE=False, BLOCK=BLOCK, num_warps=16)
+        _sample_filter_kernel[(n,)](x, temperature, top_k, top_p, min_p, out, x.stride(0), v, SORTED=sorted_rows,
+                                    ANY_TOP_K=any_top_k, ANY_TOP_P=any_top_p, ANY_MIN_P=any_min_p, BLOCK=BLOCK,
+                                    num_warps=16)
     return out
 
 
@@ -159,14 +205,18 @@ def sample_sorted(x: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor, temper
     n, v = x.shape
     out = torch.empty(n, dtype=torch.long, device=x.device)
     if n:
-        num_slices = triton.cdiv(v, BLOCK)
+        num_slices = triton.cdiv(v, RACE_BLOCK)
+        share = torch.empty((n, num_slices), dtype=torch.float32, device=x.device)
         pv = torch.empty((n, num_slices), dtype=torch.float32, device=x.device)
         pi = torch.empty((n, num_slices), dtype=torch.int32, device=x.device)
-        _sample_filter_kernel[(n, num_slices)](x, temperature, top_k, top_p, min_p, out, ids,
-                                               keys.to(torch.int64).contiguous(), pv, pi, x.stride(0), ids.stride(0),
-                                               v, num_slices, _GOLDEN, _MIX1, _MIX2, SORTED=True, ANY_TOP_K=any_top_k,
-                                               ANY_TOP_P=any_top_p, ANY_MIN_P=any_min_p, RACE=True, BLOCK=BLOCK,
-                                               num_warps=16)
-        _race_pick_kernel[(n,)](pv, pi, ids, out, ids.stride(0), num_slices, HAS_IDS=True,
-                                SLICES_PAD=max(2, triton.next_power_of_2(num_slices)), num_warps=1)
+        pad = max(2, triton.next_power_of_2(num_slices))
+        _sorted_shares_kernel[(n, num_slices)](x, temperature, top_k, share, x.stride(0), v, num_slices,
+                                               ANY_TOP_K=any_top_k, BLOCK=RACE_BLOCK, num_warps=4)
+        _sorted_race_kernel[(n, num_slices)](x, temperature, top_k, top_p, min_p, share, ids,
+                                             keys.to(torch.int64).contiguous(), pv, pi, x.stride(0), ids.stride(0), v,
+                                             num_slices, _GOLDEN, _MIX1, _MIX2, ANY_TOP_K=any_top_k,
+                                             ANY_TOP_P=any_top_p, ANY_MIN_P=any_min_p, BLOCK=RACE_BLOCK,
+                                             SLICES_PAD=pad, num_warps=4)
+        _race_pick_kernel[(n,)](pv, pi, ids, out, ids.stride(0), num_slices, HAS_IDS=True, SLICES_PAD=pad,
+                                num_warps=1)
     return out
