@@ -6,6 +6,9 @@ masks, the race) and at batch 1 their launches, not the GPU, set the pace. Repla
 graph launch plus a few input copies. The keys are hashed inside the graph from each row's seed and draw
 index, so a row's draw is the same as the eager path's (sampling.stream_keys, sampling.sample_rows).
 
+Plain decode windows draw inside the decode graph instead (graphs/sampled_decode.py); these graphs serve the
+plain windows adaptive speculation grants, whose forward is the drafter's (it keeps hidden rows too).
+
 Graphs are captured on first use (a bucket and a filter set that a batch needs), share one memory pool and
 never run concurrently (one stream). Batches above `max_bs` run eagerly: there the GPU, not the launches,
 sets the pace.
