@@ -198,6 +198,24 @@ def race_logits(logits: torch.Tensor, temperature: torch.Tensor, sampled: torch.
 
         full = None if ids is None else ids.expand(logits.shape[0], -1)
         return race_logits_rows(logits, keys.to(logits.device), temperature, sampled.to(torch.long), full)
+    return _race_logits_torch(logits, temperature, sampled, keys, ids, id_vocab)
+
+
+def race_logits_seeded(logits: torch.Tensor, temperature: torch.Tensor, sampled: torch.Tensor, seeds: torch.Tensor,
+                       draws: torch.Tensor, ahead: int, ids: torch.Tensor | None = None,
+                       id_vocab: int | None = None) -> torch.Tensor:
+    """race_logits with each row's key stream_keys(seeds, draws + ahead) (seeds, draws [N] int64 on the device):
+    on a GPU the hash runs inside the race's launch (a chained step's draft picks: two launches each, not four)."""
+    if use_triton(logits) and logits.dim() == 2:
+        from .kernels.race import race_logits_rows
+
+        full = None if ids is None else ids.expand(logits.shape[0], -1)
+        return race_logits_rows(logits, seeds, temperature, sampled.to(torch.long), full, draws, ahead)
+    return _race_logits_torch(logits, temperature, sampled, stream_keys(seeds, draws + ahead), ids, id_vocab)
+
+
+def _race_logits_torch(logits: torch.Tensor, temperature: torch.Tensor, sampled: torch.Tensor, keys: torch.Tensor,
+                       ids: torch.Tensor | None, id_vocab: int | None) -> torch.Tensor:
     x = logits.float()
     noise = draw_noise(keys, id_vocab or x.shape[-1], x.device)
     if ids is not None:

@@ -970,7 +970,8 @@ def check_tree_draft(device: str, dtype: torch.dtype) -> None:
 def check_race_logits(device: str, dtype: torch.dtype) -> None:
     """The draft picks' race on logits (kernels/race.py race_logits_rows) gives sampling.race_logits' torch
     path: sampled rows at several temperatures, greedy rows (the argmax), a padding row with T = 0, a vocabulary
-    map (the noise of the mapped ids, the mapped id returned), vocabularies off the slice width."""
+    map (the noise of the mapped ids, the mapped id returned), vocabularies off the slice width; with the keys
+    hashed in the launch from seeds and draws (race_logits_seeded)."""
     from tercel import sampling
     from tercel.kernels.race import race_logits_rows
 
@@ -989,6 +990,15 @@ def check_race_logits(device: str, dtype: torch.dtype) -> None:
         greedy = logits.argmax(-1) if ids is None else ids[logits.argmax(-1)]
         assert torch.equal(want[sampled == 0], greedy[sampled == 0]), (n, v)
         assert not torch.equal(want[sampled == 1], greedy[sampled == 1]) or n == 1, (n, v)  # the noise counts
+        # keys hashed in the launch from the rows' seeds and draws + ahead (a chained step's draft picks)
+        seeds, draws = keys // 3, torch.randint(0, 1000, (n,), generator=g)
+        for ahead in (0, 1, 5):
+            with _TorchPaths(sampling):
+                want = sampling.race_logits_seeded(logits, t, sampled, seeds, draws, ahead, ids,
+                                                   3 * v if mapped else None)
+            got = race_logits_rows(logits.to(device), seeds.to(device), t.to(device), sampled.to(device), full,
+                                   draws.to(device), ahead)
+            assert torch.equal(got.cpu(), want), (n, v, mapped, ahead, got, want)
 
 
 def check_topk_rows(device: str, dtype: torch.dtype) -> None:

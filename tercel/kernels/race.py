@@ -66,11 +66,16 @@ def stream_keys_2d(seeds: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _noise(IDS, KEYS, row, offs, inside, stride_ids, GOLDEN, M1, M2, HAS_IDS: tl.constexpr):
     """draw_noise of the row's key at columns offs (of token ids[row, offs] with HAS_IDS), as float32."""
+    return _noise_of_key(IDS, tl.load(KEYS + row).to(tl.uint64), row, offs, inside, stride_ids, GOLDEN, M1, M2,
+                         HAS_IDS)
+
+
+@triton.jit
+def _noise_of_key(IDS, key, row, offs, inside, stride_ids, GOLDEN, M1, M2, HAS_IDS: tl.constexpr):
     if HAS_IDS:
         tok = tl.load(IDS + row * stride_ids + offs, mask=inside, other=0).to(tl.uint64)
     else:
         tok = offs.to(tl.uint64)
-    key = tl.load(KEYS + row).to(tl.uint64)
     bits = _mix64(key + (tok + 1) * GOLDEN, M1, M2)
     u = ((bits >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2 ** -53
     return (-tl.log(u)).to(tl.float32)
@@ -94,17 +99,24 @@ def _race_slices_kernel(P, IDS, KEYS, PV, PI, stride_p, stride_ids, n_cols, num_
 
 
 @triton.jit
-def _race_logits_slices_kernel(X, IDS, KEYS, T, SAMPLED, PV, PI, stride_x, stride_ids, n_cols, num_slices, GOLDEN, M1,
-                               M2, HAS_IDS: tl.constexpr, BLOCK: tl.constexpr):
+def _race_logits_slices_kernel(X, IDS, KEYS, DRAWS, T, SAMPLED, PV, PI, stride_x, stride_ids, n_cols, num_slices,
+                               ahead, GOLDEN, M1, M2, HAS_IDS: tl.constexpr, SEEDED: tl.constexpr,
+                               BLOCK: tl.constexpr):
     """The race on logits: argmax x / T - log E (the same winner as argmax softmax(x / T) / E, without the
-    softmax); a row with SAMPLED 0 takes the plain argmax."""
+    softmax); a row with SAMPLED 0 takes the plain argmax. SEEDED: KEYS holds the rows' seeds and the key is
+    stream_keys(seed, DRAWS[row] + ahead), hashed here."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     offs = s * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n_cols
     x = tl.load(X + row * stride_x + offs, mask=inside, other=float("-inf")).to(tl.float32)
     if tl.load(SAMPLED + row) != 0:
-        e = _noise(IDS, KEYS, row, offs, inside, stride_ids, GOLDEN, M1, M2, HAS_IDS)
+        if SEEDED:
+            index = (tl.load(DRAWS + row) + ahead).to(tl.uint64)
+            key = _mix64(_mix64(tl.load(KEYS + row).to(tl.uint64), M1, M2) + index * GOLDEN, M1, M2)
+        else:
+            key = tl.load(KEYS + row).to(tl.uint64)
+        e = _noise_of_key(IDS, key, row, offs, inside, stride_ids, GOLDEN, M1, M2, HAS_IDS)
         x = tl.math.div_rn(x, tl.load(T + row)) - tl.log(e)
     x = tl.where(inside & (x == x), x, float("-inf"))
     tl.store(PV + row * num_slices + s, tl.max(x, 0))
@@ -112,15 +124,20 @@ def _race_logits_slices_kernel(X, IDS, KEYS, T, SAMPLED, PV, PI, stride_x, strid
 
 
 def race_logits_rows(logits: torch.Tensor, keys: torch.Tensor, temperature: torch.Tensor, sampled: torch.Tensor,
-                     ids: torch.Tensor | None = None) -> torch.Tensor:
+                     ids: torch.Tensor | None = None, draws: torch.Tensor | None = None,
+                     ahead: int = 0) -> torch.Tensor:
     """logits [N, V] (last dim contiguous), keys [N] int64, temperature [N] float32, sampled [N] (0: argmax)
     -> int64 [N]: argmax_v logits / T - log draw_noise(keys)[v] for sampled rows (the noise of token ids[n, v]
-    when ids is given; the returned id too), argmax_v logits for the others."""
+    when ids is given; the returned id too), argmax_v logits for the others. draws [N] int64: keys are the rows'
+    seeds instead, and row n races with stream_keys(keys[n], draws[n] + ahead), hashed in the same launch."""
     t, flag = temperature.float().contiguous(), sampled.contiguous()
+    seeded = draws is not None
+    draws_t = draws.to(torch.int64).contiguous() if seeded else flag
 
     def slices(grid, ids_t, keys_, pv, pi, stride_ids, v, num_slices, has_ids):
-        _race_logits_slices_kernel[grid](logits, ids_t, keys_, t, flag, pv, pi, logits.stride(0), stride_ids, v,
-                                         num_slices, _GOLDEN, _MIX1, _MIX2, HAS_IDS=has_ids, BLOCK=BLOCK, num_warps=8)
+        _race_logits_slices_kernel[grid](logits, ids_t, keys_, draws_t, t, flag, pv, pi, logits.stride(0), stride_ids,
+                                         v, num_slices, ahead, _GOLDEN, _MIX1, _MIX2, HAS_IDS=has_ids, SEEDED=seeded,
+                                         BLOCK=BLOCK, num_warps=8)
 
     return _race_two_pass("race_logits_rows", logits, keys, ids, slices)
 

@@ -25,7 +25,7 @@ from ..forward_batch import CaptureHiddenMode, ForwardBatch
 from ..graphs.buffers import BufferSpec, Pad, Per
 from ..graphs.runner import StepKind
 from ..kv import PagedKVCache
-from ..sampling import SamplingTensors, greedy_tokens, race_logits, sample_rows, stream_keys
+from ..sampling import SamplingTensors, greedy_tokens, race_logits_seeded, sample_rows, stream_keys
 from .chain_accept import chain_accept
 from .eagle_steps import ChainPositions, DraftExtendBatch, DraftLoopBatch, EagleDraftLoopStep, EagleExtendStep
 
@@ -166,8 +166,8 @@ class EagleChainStep(StepKind):
         return ChainOutputs(*(t[:num_live] for t in (out.tokens, out.accepted, out.bonus, out.logits, out.first,
                                                      out.hidden)))
 
-    def _draft_pick(self, sp: ChainSampling, draw: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-        """Target ids from draft logits [B, Vd]: sampled rows race the request's noise of draw `draw` [B] (the
+    def _draft_pick(self, sp: ChainSampling, ahead: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Target ids from draft logits [B, Vd]: sampled rows race the request's noise of draw draws + ahead (the
         target's own draw for that output token) over the draft's distribution at the request's temperature,
         greedy rows take the top-1. No top-k / top-p / min-p here: the verify's draws are the plain sampler's
         whatever the drafts are, so a filter only saves the drafts a token the target would not draw, and costs
@@ -177,7 +177,7 @@ class EagleChainStep(StepKind):
         vocab = self.target.config.vocab_size
 
         def pick(logits: torch.Tensor) -> torch.Tensor:
-            return race_logits(logits, sp.temperature, sp.sampled, stream_keys(sp.seeds, draw), ids, vocab)
+            return race_logits_seeded(logits, sp.temperature, sp.sampled, sp.seeds, sp.draws, ahead, ids, vocab)
 
         return pick
 
@@ -188,7 +188,7 @@ class EagleChainStep(StepKind):
         # every row's position and KV slot, once: draft step s reads row s - 1, verify and extend all of them
         at = ChainPositions.of(s.base, s.block_tables, bs, w, self.loop.max_position)
         # draft: the chain, root first [B, W]; a sampled chain's position j + 1 draws with output draw draws + j
-        pick = None if sp is None else (lambda j, logits: self._draft_pick(sp, sp.draws + j)(logits))
+        pick = None if sp is None else (lambda j, logits: self._draft_pick(sp, j)(logits))
         tokens = self.loop.body(DraftLoopBatch(s.roots, s.first, s.hidden, s.base, s.block_tables, [0] * n),
                                 graph=True, pick=pick, at=at)
         # verify: W rows per request at base .. base + W - 1, every row's logits and aux hidden states
@@ -210,7 +210,7 @@ class EagleChainStep(StepKind):
         first = ext.first
         if sp is not None:  # the next step's first draft draws with the next output token's noise
             sp.advance(s.live, acc.accepted)
-            first = self._draft_pick(sp, sp.draws)(ext.logits)
+            first = self._draft_pick(sp, 0)(ext.logits)
         s.first.copy_(first)
         s.hidden.copy_(ext.hidden)
         return ChainOutputs(tokens, acc.accepted, acc.bonus, ext.logits, first, ext.hidden)
