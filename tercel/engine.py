@@ -39,7 +39,7 @@ import torch
 from .batching import RowSpan, build_batch, step_batch
 from .config import ConfigError, EngineConfig, ModelLoadConfig
 from .cpu_threads import apply_threads
-from .executor import DECODE, Executor, StepKey, sampled_decode_key
+from .executor import DECODE, Executor, StepKey
 from .forward_batch import ForwardBatch, ModelOutput
 from .gpu_memory import release_if_last, track
 from .kv import KVCacheSpec, PagedKVCache, num_kv_blocks
@@ -54,7 +54,6 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledRequest, Scheduler
 
 if TYPE_CHECKING:
-    from .graphs import GraphConfig
     from .graphs.compiled import CompiledSteps
     from .graphs.runner import CudaGraphRunner
     from .graphs.sampled_decode import SampledDecodeBatch, SampledDecodeOutput
@@ -201,7 +200,6 @@ class LLMEngine:
         self._last_plain_window: float | None = None  # when the last spec-plain window was read back
         self._download_stream = None  # CUDA (set with the stager): the stream that brings window tokens to the host
         self._window_st: tuple[tuple[str, ...], SamplingTensors] | None = None  # _window_settings' last upload
-        self._sampled_graphs: tuple[int, GraphConfig] | None = None  # (max blocks, config) of sampled decode graphs
         # dtype="auto" on the CPU reads the checkpoint's header to pick its path; tensor-parallel ranks load
         # dense shards (a GGUF's 4-bit matrices are not kept), so they resolve it as for a dense checkpoint
         ckpt = checkpoint if loaded is None and config.parallel.tp_size == 1 else None
@@ -360,7 +358,6 @@ class LLMEngine:
         extra = self.spec.extra_slots if self.spec else 0
         max_blocks = -(-(self.config.max_model_len + extra) // self.kv.block_size) + 1
         runner = self.executor.register(DECODE, ModelStep(self.model, self.kv, max_blocks), graph_config)
-        self._sampled_graphs = (max_blocks, graph_config)  # sampled decode windows: captured on first use
         if self.device.type == "cuda" and backend == "full":  # sampled rows of decode windows: captured too
             from .graphs.sampler import SamplerGraphs
 
@@ -714,7 +711,10 @@ class LLMEngine:
         spec_plain = self.spec is not None
         if spec_plain:
             self.spec.adaptive.ran_plain(num_steps, len(reqs), None)
-        drawn = None if st is None or spec_plain else self._sampled_decode_kind(st, mixed is not None)
+        drawn = None  # sampled rows, with graphs: the kind that runs the forward and the draw in one replay
+        if st is not None:
+            base = self.spec.plain_kind() if spec_plain else DECODE
+            drawn = self.executor.sampled(base, st.any_top_k or st.any_top_p, mixed is not None)
         if drawn is not None:
             from .graphs.sampled_decode import SampledDecodeBatch
             from .speculative.chain import ChainSampling
@@ -722,16 +722,22 @@ class LLMEngine:
         step_tokens: list[torch.Tensor] = []
         hidden: list[torch.Tensor] = []
         for step in range(num_steps):
+            if drawn is not None:
+                batch = window.batch(step, ids)
+                if spec_plain:
+                    self.spec.prepare_plain(batch)
+                sp = ChainSampling(window.seeds, window.draws[step], mixed if mixed is not None else window.seeds,
+                                   st.temperature, st.top_k, st.top_p, st.min_p)
+                res = self.run_model(SampledDecodeBatch(batch, sp), drawn)
+                ids = res.tokens.clone()  # copies: the next replay overwrites the graph's outputs
+                step_tokens.append(ids)
+                if spec_plain and res.hidden_states is not None:
+                    hidden.append(res.hidden_states.clone())
+                continue
             if spec_plain:  # the drafter's hidden rows too, kept for its deferred draft_extend
                 out = self.spec.plain_forward(window.batch(step, ids))
                 if out.hidden_states is not None:
                     hidden.append(out.hidden_states.clone())  # the next replay overwrites the graph's output
-            elif drawn is not None:  # the forward and the draw in one replay
-                sp = ChainSampling(window.seeds, window.draws[step], mixed if mixed is not None else window.seeds,
-                                   st.temperature, st.top_k, st.top_p, st.min_p)
-                ids = self.run_model(SampledDecodeBatch(window.batch(step, ids), sp), drawn).tokens.clone()
-                step_tokens.append(ids)  # a copy: the next replay overwrites the graph's tokens
-                continue
             else:
                 out = self.run_model(window.batch(step, ids))
             # choose before the next replay overwrites the graph's logits; the same rules as Sampler.sample,
@@ -760,21 +766,6 @@ class LLMEngine:
             tokens.record_stream(down)
             return InflightWindow(reqs, num_steps, tokens, host, ready, spec_plain, stacked)
         return InflightWindow(reqs, num_steps, tokens, tokens, None, spec_plain, stacked)
-
-    def _sampled_decode_kind(self, st: SamplingTensors, mixed: bool) -> StepKey | None:
-        """The step kind that decodes and draws in one replay for a window with these settings (registered on
-        first use, each bucket captured when first needed); None without decode graphs."""
-        if self._sampled_graphs is None:
-            return None
-        kind = sampled_decode_key(st.any_top_k or st.any_top_p, mixed)
-        if self.executor.runner(kind) is None:
-            from .graphs.sampled_decode import SampledDecodeStep, SampledVariant
-
-            max_blocks, graph_config = self._sampled_graphs
-            step = SampledDecodeStep(self.model, self.kv, max_blocks, SampledVariant(st.any_top_k or st.any_top_p,
-                                                                                      mixed))
-            self.executor.register(kind, step, graph_config, lazy=True, pool_of=DECODE)
-        return kind
 
     def _window_settings(self, reqs: list[Request]) -> SamplingTensors:
         """The sampled rows' settings on the device, uploaded once while the same requests decode on (the

@@ -42,9 +42,11 @@ CHAIN = StepKey("chain")  # draft, verify, accept and draft_extend as one chaine
 CHAIN_SAMPLED = StepKey("chain_sampled")  # the same for batches with sampled (T > 0) requests
 
 
-def sampled_decode_key(filtered: bool, mixed: bool) -> StepKey:
-    """Plain decode with each row's draw inside the step (graphs/sampled_decode.py), per variant."""
-    return StepKey("decode_sampled" + ("+filtered" if filtered else "") + ("+mixed" if mixed else ""))
+def sampled_decode_key(filtered: bool, mixed: bool, base: StepKey = DECODE) -> StepKey:
+    """A one-token step (the decode, or the one-token verify of adaptive speculation's plain windows) with each
+    row's draw inside it (graphs/sampled_decode.py), per variant."""
+    return StepKey(f"{base.name}_sampled" + ("+filtered" if filtered else "") + ("+mixed" if mixed else ""),
+                   base.width)
 
 
 def verify_key(width: int) -> StepKey:
@@ -101,6 +103,23 @@ class Executor:
             self.runners.pop(kind, None)
         else:
             self.runners[kind] = runner
+
+    def sampled(self, base: StepKey, filtered: bool, mixed: bool) -> StepKey | None:
+        """The kind that runs `base` (a one-token model step with graphs) and draws each row's token in the same
+        replay, registered on first use with base's graph config and memory pool, each bucket captured when a
+        batch first needs it; None when base has no graphs."""
+        kind = sampled_decode_key(filtered, mixed, base)
+        if kind in self.runners:
+            return kind
+        runner = self.runners.get(base)
+        if runner is None or runner.step.tokens_per_request != 1:
+            return None
+        from .graphs.sampled_decode import SampledDecodeStep, SampledVariant
+
+        step = runner.step
+        self.register(kind, SampledDecodeStep(step.model, step.kv, step.max_blocks, SampledVariant(filtered, mixed),
+                                              name=f"{step.name}_sampled"), runner.config, lazy=True, pool_of=base)
+        return kind
 
     def runner(self, kind: StepKey) -> CudaGraphRunner | None:
         return self.runners.get(kind)

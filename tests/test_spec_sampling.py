@@ -214,6 +214,38 @@ def test_sampled_eagle_chains_run_as_one_chained_step_with_the_plain_tokens(tiny
     assert llm.engine.stats().kv_blocks_used == 0
 
 
+def test_adaptive_plain_windows_draw_inside_the_one_token_verify_graph(tiny):
+    """Sampled batches that adaptive EAGLE speculation sends plain (here every width but 1 costs 100 plain steps)
+    decode in windows whose one-token verify graph also draws each row's token (graphs/sampled_decode.py,
+    Executor.sampled): plain sampling's tokens, greedy rows of the mixed batch by argmax, the drafter's hidden rows
+    kept for its deferred draft_extend."""
+    from spec_utils import spec_llm
+
+    from tercel.executor import sampled_decode_key, verify_key
+    from tercel.speculative.adaptive import CostModel
+
+    class Fixed(CostModel):
+        def observe(self, batch_size: int, width: int, wall_s: float) -> None:
+            pass
+
+    hf, base, draft, hot = tiny
+    llm = spec_llm(base, max_num_seqs=8, cuda_graph_backend="breakable-debug", cuda_graph_bs=[1, 2, 4, 8],
+                   num_scheduler_steps=4, speculative_draft_model_path=draft, **SEEDED["eagle3-chain"])
+    spec = llm.engine.spec
+    spec.adaptive.costs = Fixed((1, 2, 4, 8), {(b, w): 1.0 if w == 1 else 100.0 for b in (1, 2, 4, 8)
+                                               for w in spec.widths()})
+    prompts = [PROMPT[: 2 + i % 4] for i in range(4)]
+    params = [SamplingParams(max_tokens=16, seed=7 + i, ignore_eos=True,
+                             **[FILTERS["T0.7-top_p0.9"], dict(temperature=0.0), FILTERS["T1"]][i % 3])
+              for i in range(4)]
+    plain = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    runner = llm.engine.executor.runner(sampled_decode_key(True, True, verify_key(1)))
+    assert runner is not None and runner.stats.replays > 0, llm.engine.executor.runners.keys()
+    assert llm.engine.spec_stats().plain_window_steps > 0
+    assert llm.engine.stats().kv_blocks_used == 0
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 def test_sampled_eagle_trees_run_as_one_chained_step_with_the_plain_tokens(tiny, overlap):
     """Sampled EAGLE trees run as the sampled tree step (tree_chain.py): every node's target token is drawn in the

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..forward_batch import CaptureHiddenMode, ForwardBatch
+from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from ..kv import PagedKVCache
 from ..sampling import SamplingTensors, greedy_tokens, sample_rows, stream_keys
 from ..speculative.chain import ChainSampling, sampling_buffers
@@ -44,21 +44,22 @@ class SampledDecodeBatch:
 
     @property
     def capture_hidden_mode(self) -> CaptureHiddenMode:
-        return CaptureHiddenMode.NULL
+        return self.batch.capture_hidden_mode
 
 
 @dataclass(slots=True)
 class SampledDecodeOutput:
     tokens: torch.Tensor  # [B] each row's token (on the device)
     logits: torch.Tensor  # [B, V]
+    hidden_states: torch.Tensor | None = None  # [B, H] at a hidden-capture mode (a drafter's plain window)
 
 
 class SampledDecodeStep(ModelStep):
     """ModelStep (decode, one token per request) whose forward ends with each row's draw."""
 
     def __init__(self, model: torch.nn.Module, kv: PagedKVCache, max_blocks_per_request: int,
-                 variant: SampledVariant) -> None:
-        super().__init__(model, kv, max_blocks_per_request, name="decode_sampled")
+                 variant: SampledVariant, name: str = "decode_sampled") -> None:
+        super().__init__(model, kv, max_blocks_per_request, name=name)
         self.variant = variant
 
     def buffer_specs(self) -> list[BufferSpec]:
@@ -85,23 +86,24 @@ class SampledDecodeStep(ModelStep):
         super().prepare_replay(static.batch, num_live)
 
     def forward(self, static: SampledDecodeBatch) -> SampledDecodeOutput:  # type: ignore[override]
-        return self._draw(super().forward(static.batch).logits, static.sampling)
+        return self._draw(super().forward(static.batch), static.sampling)
 
     def eager(self, batch: SampledDecodeBatch) -> SampledDecodeOutput:  # type: ignore[override]
-        return self._draw(super().eager(batch.batch).logits, batch.sampling)
+        return self._draw(super().eager(batch.batch), batch.sampling)
 
     def live_outputs(self, out: SampledDecodeOutput, num_live: int,  # type: ignore[override]
                      mode: CaptureHiddenMode) -> SampledDecodeOutput:
-        return SampledDecodeOutput(out.tokens[:num_live], out.logits[:num_live])
+        rows = super().live_outputs(out, num_live, mode)  # logits and, at a capture mode, hidden states
+        return SampledDecodeOutput(out.tokens[:num_live], rows.logits, rows.hidden_states)
 
-    def _draw(self, logits: torch.Tensor, sp: ChainSampling) -> SampledDecodeOutput:
+    def _draw(self, out: ModelOutput, sp: ChainSampling) -> SampledDecodeOutput:
         """Each row's token: the race over its filtered distribution (padding rows: temperature 0 divides by 1);
         greedy rows of a mixed batch the argmax."""
-        v = self.variant
+        logits, v = out.logits, self.variant
         temperature = torch.where(sp.temperature > 0, sp.temperature, torch.ones_like(sp.temperature))
         st = SamplingTensors(temperature, sp.top_k.clamp(1, logits.shape[-1]), sp.top_p, sp.min_p, v.filtered,
                              v.filtered, True)
         tokens = sample_rows(logits, st, stream_keys(sp.seeds, sp.draws))
         if v.mixed:
             tokens = torch.where(sp.sampled.bool(), tokens, greedy_tokens(logits))
-        return SampledDecodeOutput(tokens, logits)
+        return SampledDecodeOutput(tokens, logits, out.hidden_states)

@@ -23,7 +23,7 @@ import torch
 
 from ..batching import step_batch
 from ..dev_overrides import env
-from ..executor import CHAIN, CHAIN_SAMPLED, DECODE, verify_key
+from ..executor import CHAIN, CHAIN_SAMPLED, DECODE, StepKey, verify_key
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from ..graphs.runner import CudaGraphRunner, GraphConfig
 from ..graphs.steps import ModelStep
@@ -173,9 +173,17 @@ class SpecWorker:
     def plain_forward(self, batch: ForwardBatch) -> ModelOutput:
         """One plain decode forward of a window, returning the hidden states the drafter reads (FULL / LAST):
         the one-token verify graph, or the engine's decode graph for drafters without hidden states."""
+        self.prepare_plain(batch)
+        return self._verify(batch)
+
+    def prepare_plain(self, batch: ForwardBatch) -> None:
+        """A plain window's forward reads the drafter's layers and returns its hidden states."""
         self._sync_target()
         batch.capture_hidden_mode = self.drafter.capture_hidden_mode
-        return self._verify(batch)
+
+    def plain_kind(self) -> StepKey:
+        """The step kind of a plain window's forward (plain_forward's): the one-token verify, or the decode."""
+        return DECODE if self.drafter.capture_hidden_mode == CaptureHiddenMode.NULL else verify_key(1)
 
     def after_plain_window(self, reqs: list[Request], hidden: torch.Tensor | None, num_steps: int,
                            wall_s_per_step: float | None) -> None:
@@ -273,8 +281,8 @@ class SpecWorker:
     def _verify(self, batch: ForwardBatch) -> ModelOutput:
         """A verify of this batch's width through the executor (a width with no graph: the eager target)."""
         ex = self.engine.executor
-        if batch.query_lens[0] == 1 and self.drafter.capture_hidden_mode == CaptureHiddenMode.NULL:
-            return ex.run(DECODE, batch)  # nothing drafted anywhere: a plain decode step
+        if batch.query_lens[0] == 1:  # no hidden states: a plain decode step (nothing drafted anywhere)
+            return ex.run(self.plain_kind(), batch)
         return ex.run(verify_key(batch.query_lens[0]), batch)
 
     # ---- the spec step -------------------------------------------------------------------
