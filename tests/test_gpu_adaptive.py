@@ -50,3 +50,19 @@ def test_a_draft_that_pays_keeps_speculating(fp32, prompts):
     stats = llm.engine.spec_stats()
     assert stats.mean_accept_length > 2.0, stats
     assert stats.plain_window_steps < 64, stats
+
+
+def test_a_hopeless_draft_at_t1_goes_plain_and_draws_inside_the_graph(fp32, prompts, tmp_path):
+    """The same at T = 1 with top-p: the plain windows' one-token verify graph draws each token itself
+    (graphs/sampled_decode.py), and the seeded tokens are plain sampling's."""
+    from tercel.executor import sampled_decode_key, verify_key
+
+    head = random_eagle3(tmp_path / "e3", fp32.engine.model_config, draft_vocab_size=4096, intermediate_size=256)
+    llm = spec_llm(fp32, kv_cache_memory=2 << 30, cuda_graph_max_bs=4, speculative_algorithm="EAGLE3",
+                   speculative_draft_model_path=str(head))
+    params = SamplingParams(max_tokens=256, temperature=1.0, top_p=0.95, seed=3, ignore_eos=True)
+    want = fp32.generate(prompts[:1], params)[0].outputs[0].token_ids
+    assert llm.generate(prompts[:1], params)[0].outputs[0].token_ids == want
+    stats = llm.engine.spec_stats()
+    assert stats.plain_window_steps >= 0.8 * 256, stats
+    assert llm.engine.executor.runner(sampled_decode_key(True, False, verify_key(1))).stats.replays > 0
