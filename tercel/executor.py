@@ -111,12 +111,13 @@ class Executor:
         kind = sampled_decode_key(filtered, mixed, base)
         if kind in self.runners:
             return kind
-        runner = self.runners.get(base)
-        if runner is None or runner.step.tokens_per_request != 1:
-            return None
         from .graphs.sampled_decode import SampledDecodeStep, SampledVariant
+        from .graphs.steps import ModelStep
 
-        step = runner.step
+        runner = self.runners.get(base)
+        step = None if runner is None else runner.step
+        if not isinstance(step, ModelStep) or step.tokens_per_request != 1 or step.custom_mask:
+            return None
         self.register(kind, SampledDecodeStep(step.model, step.kv, step.max_blocks, SampledVariant(filtered, mixed),
                                               name=f"{step.name}_sampled"), runner.config, lazy=True, pool_of=base)
         return kind
