@@ -56,6 +56,9 @@ CONFIGS = {  # name -> (engine keywords, temperature)
     "eagle3-chain-t1": (dict(E3, speculative_adaptive="off"), 1.0),
     "eagle3-chain-adaptive-t1": (dict(E3), 1.0),
     "ngram-adaptive-t1": (dict(speculative_algorithm="NGRAM"), 1.0),
+    "eagle3-tree16-adaptive-t1": (dict(TREE), 1.0),
+    "dflash-adaptive-t1": (dict(speculative_algorithm="DFLASH"), 1.0),
+    "ddtree16-adaptive-t1": (dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16), 1.0),
 }
 
 
