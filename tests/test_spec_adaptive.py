@@ -99,6 +99,8 @@ def test_cost_model_buckets_and_overheads():
     assert [costs.bucket(b) for b in (1, 2, 4, 5, 100)] == [1, 4, 4, 16, 16]
     assert costs.knows(3, (1, 6)) and not costs.knows(1, (1,))
     costs.forward_s[4, 4] = 0.015
+    costs.observe(3, 6, 5.0)  # a width's first real step carries one-time work (compiles, captures): not its cost
+    assert costs.step_s(4, 6) == pytest.approx(0.02) and costs.observations(4, 6) == 0
     costs.observe(3, 6, 0.05)  # 30 ms beyond the forward
     assert costs.step_s(4, 6) == pytest.approx(0.05) and costs.step_s(4, 1) == pytest.approx(0.01)
     assert costs.step_s(4, 4) == pytest.approx(0.045)  # never ran: its forward + the spec steps' overhead
@@ -113,6 +115,17 @@ def test_cost_model_buckets_and_overheads():
     assert costs.snapshot() == {"4x1": {"step_ms": 10.0, "forward_ms": 10.0, "observed": 0},
                                 "4x4": {"step_ms": est, "forward_ms": 15.0, "observed": 0},
                                 "4x6": {"step_ms": 50.0, "forward_ms": 20.0, "observed": 5}}
+
+
+def test_a_widths_first_real_step_does_not_keep_the_policy_off_it():
+    """n-gram on text that repeats itself, on a GPU: the first full-width step compiled a kernel for its shapes
+    (0.2 s). Counted, that one sample would be the width's median and the policy would stay plain on a draft
+    that accepts everything; its next steps are what the width costs."""
+    costs = _costs({1: 0.001, 2: 0.0011, 4: 0.0012}, overhead=0.001)
+    costs.observe(1, 4, 0.2)
+    assert WidthPolicy().best(costs, 1, [0.95], (1, 2, 4)) == 4
+    costs.observe(1, 4, 0.0023)
+    assert costs.step_s(1, 4) == pytest.approx(0.0023) and WidthPolicy().best(costs, 1, [0.95], (1, 2, 4)) == 4
 
 
 def test_measuring_takes_turns_and_caps_noisy_narrow_widths():
@@ -276,6 +289,7 @@ def test_a_width_no_acceptance_could_repay_is_not_probed():
     Before that many real steps, the probe runs (a first slow step may be a one-off)."""
     costs = _costs({1: 0.001, 6: 0.002})
     policy = WidthPolicy(probe_first=2, probe_max=4, probe_every=2)
+    costs.observe(1, 6, 9.0)  # the first real step (one-time work) is not counted
     for _ in range(HOPELESS_AFTER - 1):
         costs.observe(1, 6, 0.05)  # 50 plain steps' time for at most 6 tokens
     assert [policy.choose(costs, 1, [0.0], (1, 6)) for _ in range(2)] == [1, 6]

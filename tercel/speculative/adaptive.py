@@ -123,6 +123,7 @@ class CostModel:
     overhead_s: dict[tuple[int, bool], float] = field(default_factory=dict)
     observed_s: dict[tuple[int, int], float] = field(default_factory=dict)
     recent_s: dict[tuple[int, int], collections.deque] = field(default_factory=dict)
+    warmed: set[tuple[int, int]] = field(default_factory=set)  # (bucket, width) whose first real step is past
     smoothing: float = 0.25  # weight of the newest step in the overhead's moving average
 
     def bucket(self, batch_size: int) -> int:
@@ -149,9 +150,15 @@ class CostModel:
         return len(self.recent_s.get((self.bucket(batch_size), width), ()))
 
     def observe(self, batch_size: int, width: int, wall_s: float) -> None:
-        """A real step took wall_s: update that width's average and the overhead beyond its forward."""
+        """A real step took wall_s: update that width's average and the overhead beyond its forward. The first
+        real step at each (bucket, width) is not its cost: it carries one-time work (a kernel's first compile for
+        new shapes, a graph captured on first use), and one such sample would stand as the width's median and
+        keep the policy off a width that pays."""
         b = self.bucket(batch_size)
         if (b, width) not in self.forward_s:
+            return
+        if (b, width) not in self.warmed:
+            self.warmed.add((b, width))
             return
         recent = self.recent_s.setdefault((b, width), collections.deque(maxlen=OBSERVED_WINDOW))
         recent.append(wall_s)
