@@ -250,7 +250,7 @@ class EagleDrafter(Drafter):
                                   torch.stack([s.hidden for s in states]), base, tables, live, sampling)
         first = torch.stack([s.first for s in states])
         if sampling is not None:  # a sampled request's first draft draws with its next output token's noise
-            first = step._draft_pick(sampling, sampling.draws)(torch.stack([s.logits for s in states]))
+            first = step._draft_pick(sampling, 0)(torch.stack([s.logits for s in states]))
         return ChainBatch(roots, first, torch.stack([s.hidden for s in states]), base, tables, live, sampling)
 
     def chain_ended(self, r: Request, out, i: int) -> None:
