@@ -183,6 +183,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--outside-only", action="store_true", help="count only the launches outside the layers")
+    ap.add_argument("--num-sms", type=int, default=None,
+                    help="the SM count the draft steps' split-KV attention over the paged prefix plans its splits for "
+                         "(attention/paged_merge.py; default: 132, an H100's). The launches are the same for any "
+                         "count (one split kernel, one merge); the interpreter's time is not: it runs every program "
+                         "in Python, and 132 SMs give 8-16 splits per (row, KV head) of a few keys each")
     ap.add_argument("--out", default=None, help="a JSON file (default: print the JSON)")
     args = ap.parse_args()
     import os
@@ -194,6 +199,10 @@ def main() -> None:
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("step_launches.py: run it with TRITON_INTERPRET=1, so the CPU takes the GPU's code paths.")
+    if args.num_sms is not None:
+        from tercel.attention import paged_merge
+
+        paged_merge._num_sms = lambda device: args.num_sms
     names = args.configs.split(",")
     bad = [n for n in names if n not in CONFIGS]
     if bad:
@@ -209,7 +218,7 @@ def main() -> None:
     res = {"benchmark": "kernel launches per step, counted on the CPU under TRITON_INTERPRET=1 (LaunchCounter)",
            "environment": environment(),
            "model": "llama-tiny shape, random weights; a random one-layer EAGLE-3 head and DFlash draft (block 16)",
-           "batch": args.batch, "tokens": args.tokens, "results": {}}
+           "batch": args.batch, "tokens": args.tokens, "num_sms": args.num_sms, "results": {}}
     for name in names:
         kinds = ("outside",) if args.outside_only else ("per_step", "outside")
         r = res["results"][name] = count(name, loaded, drafts, args.tokens, args.batch, current, kinds)
