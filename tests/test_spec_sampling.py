@@ -214,6 +214,38 @@ def test_sampled_eagle_chains_run_as_one_chained_step_with_the_plain_tokens(tiny
     assert llm.engine.stats().kv_blocks_used == 0
 
 
+def test_a_sampled_chains_first_draft_takes_its_output_tokens_noise(tiny, monkeypatch):
+    """When a sampled chain starts, each request's first draft races the draft's logits with the noise of the
+    output token it proposes (draw `draws`): the draw the target takes at verify row 0, so that agreeing
+    distributions agree on the token. (It raced draw 2 x draws once: lossless, but a first draft wasted.)"""
+    from spec_utils import spec_llm
+
+    from tercel.sampling import race_logits, stream_keys
+    from tercel.speculative.eagle import EagleDrafter
+
+    hf, base, draft, hot = tiny
+    seen = []
+    chain_batch = EagleDrafter.chain_batch
+
+    def spy(self, reqs, roots, base_, tables, live, sampling, step):
+        batch = chain_batch(self, reqs, roots, base_, tables, live, sampling, step)
+        if sampling is not None:
+            seen.append((torch.stack([r.spec_state.logits for r in reqs]), sampling.temperature.clone(),
+                         sampling.sampled.clone(), sampling.seeds.clone(), sampling.draws.clone(), batch.first.clone()))
+        return batch
+
+    monkeypatch.setattr(EagleDrafter, "chain_batch", spy)
+    llm = spec_llm(base, max_num_seqs=4, speculative_adaptive=False, cuda_graph_backend="breakable-debug",
+                   cuda_graph_max_bs=4, disable_overlap_schedule=True, speculative_draft_model_path=draft,
+                   **SEEDED["eagle3-chain"])
+    params = [SamplingParams(max_tokens=10, seed=7 + i, ignore_eos=True, temperature=1.0) for i in range(3)]
+    llm.generate([PROMPT, PROMPT[:3], PROMPT[:4]], params)
+    assert seen and all(int(d.min()) > 0 for *_, d, _ in seen)  # the prefill drew draw 0: a start is past it
+    for logits, temperature, sampled, seeds, draws, first in seen:
+        want = race_logits(logits, temperature, sampled, stream_keys(seeds, draws))
+        assert torch.equal(first, want)
+
+
 def test_adaptive_plain_windows_draw_inside_the_one_token_verify_graph(tiny):
     """Sampled batches that adaptive EAGLE speculation sends plain (here every width but 1 costs 100 plain steps)
     decode in windows whose one-token verify graph also draws each row's token (graphs/sampled_decode.py,
