@@ -291,7 +291,8 @@ def _sample_rows_fused(logits: torch.Tensor, st: SamplingTensors, keys: torch.Te
     """sample_rows on a GPU. With top-k or top-p: the sort, then one launch filters and races over the kept
     prefix (kernels/sample_filter.sample_sorted). The sort takes 16-bit logits as they are (half the radix
     passes of float32; the same order: the conversion is exact and the sort stable, as CUDA's radix sort of a row
-    this wide is anyway). Without: one filter launch and the race."""
+    this wide is anyway; the target's head writes float32, so decoding sorts float32). Without: one filter launch
+    and the race."""
     from .kernels.sample_filter import filtered_probs, sample_sorted
 
     if st.any_top_k or st.any_top_p:  # x / T keeps the order (T > 0): the kernel divides after the sort
