@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -41,6 +43,20 @@ def gaps(ops: list[tuple[float, float, str]], steps: int) -> dict:
                              for k, (n, us) in top])
 
 
+def host_top(prof: cProfile.Profile, steps: int, n: int = 30) -> list[dict]:
+    """The functions with the most own (tottime) and inclusive (cumtime) host µs per step."""
+    st = pstats.Stats(prof)
+    rows = [(f"{Path(f).name}:{line}({fn})", tt, ct, nc) for (f, line, fn), (_, nc, tt, ct, _) in st.stats.items()]
+    top = sorted(rows, key=lambda r: -r[1])[:n] + sorted(rows, key=lambda r: -r[2])[:n]
+    seen, out = set(), []
+    for name, tt, ct, nc in top:
+        if name not in seen:
+            seen.add(name)
+            out.append(dict(fn=name, calls_per_step=round(nc / steps, 2), own_us_per_step=round(tt / steps * 1e6, 1),
+                            cum_us_per_step=round(ct / steps * 1e6, 1)))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -48,6 +64,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--configs", default="plain,ngram-adaptive,eagle3-tree16-adaptive,eagle3-chain-adaptive")
     ap.add_argument("--kv-bytes", type=int, default=2 << 30)
+    ap.add_argument("--host-profile", action="store_true", help="also cProfile one pass per configuration")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -85,6 +102,12 @@ def main() -> None:
         row = dict(tok_s=round(plain["tok_s"], 1), profiled_wall_us_per_step=round(wall / steps * 1e6, 1),
                    verify_steps=point["verify_steps"], plain_window_steps=point["plain_window_steps"],
                    steps_by_width=point["steps_by_width"], **gaps(timeline(prof), steps))
+        if args.host_profile:  # where the host's time goes in one more pass (the GPU's idle time is host time)
+            prof_host = cProfile.Profile()
+            prof_host.enable()
+            run_point(llm, convs, c, args.tokens, temp)
+            prof_host.disable()
+            row["host_top"] = host_top(prof_host, steps)
         res["results"][name] = row
         print(f"{name}: {json.dumps({k: v for k, v in row.items() if k != 'top_kernels'})}", flush=True)
         Path(args.out).write_text(json.dumps(res, indent=1))

@@ -2,7 +2,7 @@
 # The H200 campaign, one device call per step (SmolLM2 travels in parts: ../shared/tools/split-smollm2):
 #   STEP=part N=0|1     copy part N into /tmp/smol (carry .carry/smol-N)
 #   STEP=tests N=2      the last part, reassemble, the GPU suite (carry .carry/smol-2 .carry/whl; HALF=spec|graphs)
-#   STEP=bench          benchmarks/spec_rounds.py: every configuration in interleaved rounds
+#   STEP=bench          benchmarks/spec_rounds.py: every configuration in interleaved rounds (EXTRA: more flags)
 #   STEP=bench SHAPE=llama8b SKIP=1 NAME=llama8b   the 8B shape alone (random weights, random EAGLE-3 head)
 #   STEP=profile        benchmarks/step_profile.py: kernels and device µs per step and per phase, every algorithm
 #   STEP=gaps           benchmarks/batch_gaps.py: GPU busy / idle per step of plain and adaptive engines at CONC requests
@@ -49,7 +49,7 @@ tests)
     | tee $OUT/gpu_tests_${TERCEL_COMMIT}.log | grep -v "^tests/.*SKIPPED" | tail -${TAIL:-40} ;;
 bench)
   timeout ${BENCH_S:-570} python3 benchmarks/spec_rounds.py --model $M --rounds ${ROUNDS:-5} ${SHAPE:+--shape $SHAPE} ${SKIP:+--skip-smollm2} \
-    ${CONFIGS:+--configs $CONFIGS} --concurrency ${CONC:-1,16,64} \
+    ${CONFIGS:+--configs $CONFIGS} --concurrency ${CONC:-1,16,64} ${EXTRA:-} \
     --out $OUT/spec_rounds_${NAME:-smollm2}_${GPU}_${TERCEL_COMMIT}.json 2>&1 | tee $OUT/spec_rounds_${NAME:-smollm2}.log \
     | tail -60 ;;
 profile)
@@ -60,7 +60,7 @@ probe)
     --out $OUT/verify_probe_${GPU}_${TERCEL_COMMIT}.json 2>&1 | tee $OUT/verify_probe.log | tail -30 ;;
 gaps)
   timeout ${BENCH_S:-400} python3 benchmarks/batch_gaps.py --model $M --concurrency ${CONC:-64} --tokens ${TOKENS:-128} \
-    ${CONFIGS:+--configs $CONFIGS} --out $OUT/batch_gaps_smollm2_${GPU}_${TERCEL_COMMIT}.json 2>&1 | tee $OUT/batch_gaps.log \
+    ${CONFIGS:+--configs $CONFIGS} ${EXTRA:-} --out $OUT/batch_gaps_smollm2_${GPU}_${TERCEL_COMMIT}.json 2>&1 | tee $OUT/batch_gaps.log \
     | tail -30 ;;
 offline)
   timeout ${BENCH_S:-480} python3 -m tercel bench offline --model $M --rounds ${ROUNDS:-5} --concurrency ${CONC:-1,4,16,64,256} \

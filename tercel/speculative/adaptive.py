@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -215,8 +216,9 @@ class WidthPolicy:
         """The width of the most expected tokens per second; from plain, a speculative width must beat plain by
         SWITCH_GAIN (near a tie, switching back and forth costs more than either choice)."""
         rates = []
-        for w in widths:
-            rate = sum(expected_tokens(a, w) for a in alphas) / costs.step_s(batch_size, w)
+        for w in widths:  # asked per window and per chained step over the whole batch: no per-row Python frames
+            tokens = float(len(alphas)) if w == 1 else sum(map(expected_tokens, alphas, itertools.repeat(w)))
+            rate = tokens / costs.step_s(batch_size, w)
             rates.append((rate if w == 1 or self.speculating else rate / SWITCH_GAIN, -w))
         return -max(rates)[1]  # ties go to the narrower width
 

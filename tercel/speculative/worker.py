@@ -14,6 +14,7 @@ KV bookkeeping for one request whose root (last sampled token) sits at position 
 from __future__ import annotations
 
 import logging
+import operator
 import time
 import weakref
 from dataclasses import dataclass
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
     from .chain_loop import ChainLoop
 
 log = logging.getLogger(__name__)
-PLAIN_GRANT_REUSE = 8  # plain windows that reuse the policy's answer for an unchanged batch before it is asked again
 
 
 @dataclass(slots=True)
@@ -73,7 +73,7 @@ class SpecWorker:
         # caller's loop included, as a plain window's pace is), closed when the next engine step begins
         self._step_began = 0.0
         self._open_step: tuple[int, int, float] | None = None  # (batch size, width, cycle start)
-        self._plain_grant: tuple[tuple[int, ...], int] | None = None  # plain_window's answer: (batch ids, reuses left)
+        self._plain_grant: list[Request] | None = None  # the batch plain_window's answer stands for
 
     @property
     def verify_runners(self) -> dict[int, CudaGraphRunner]:
@@ -108,6 +108,7 @@ class SpecWorker:
 
     def step(self, scheduled: list[ScheduledRequest]) -> list[RequestOutput]:
         self._sync_target()
+        self._plain_grant = None  # a step through here (a prefill, a probe) ends the plain stretch's batch
         decoding, rest = [], []
         ada = self.adaptive
         for s in scheduled:
@@ -132,7 +133,6 @@ class SpecWorker:
     def _adaptive_step(self, reqs: list[Request], timed: bool = True) -> list[RequestOutput]:
         """timed: a pure decode step (no prefill beside it), whose cycle measures what this width costs."""
         ada = self.adaptive
-        self._plain_grant = None  # this step changes the acceptance the policy weighs
         sync = torch.cuda.synchronize if self.engine.device.type == "cuda" else (lambda: None)
         measured = ada.costs.knows(len(reqs), self.widths())  # else this step measures forwards (not timed)
         width = ada.choose(reqs, self.widths(), self._dummy_forward, sync)
@@ -156,10 +156,10 @@ class SpecWorker:
         if ada is None or not running or self.inflight:
             return 0
         # the same batch as the last windows, which ran plain (so its draft states stay deferred): the policy's
-        # answer is reused for a few windows instead of weighing every request per token
-        key = tuple(map(id, running))
-        if self._plain_grant is not None and self._plain_grant[0] == key and self._plain_grant[1] > 0:
-            self._plain_grant = (key, self._plain_grant[1] - 1)
+        # answer stands until the batch changes or the stretch ends in a probe. Plain steps change no acceptance,
+        # and weighing every request per window cost ~0.2 ms a step at 256 requests (batch_gaps.py --host-profile)
+        grant = self._plain_grant
+        if grant is not None and len(grant) == len(running) and all(map(operator.is_, grant, running)):
             return ada.policy.plain_budget()
         self._plain_grant = None
         for r in running:
@@ -167,7 +167,7 @@ class SpecWorker:
                 return 0
         budget = ada.plain_steps(running, self.widths())
         if budget > 0:
-            self._plain_grant = (key, PLAIN_GRANT_REUSE)
+            self._plain_grant = list(running)
         return budget
 
     def plain_forward(self, batch: ForwardBatch) -> ModelOutput:
