@@ -5,6 +5,7 @@ speculative steps mid-generation (EAGLE-3 / DFlash then defer and batch their dr
 from __future__ import annotations
 
 import itertools
+import math
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from tercel.config import ConfigError
 from tercel.speculative import DEFAULT_EAGLE3_DRAFT
 from tercel.speculative.adaptive import (
     HOPELESS_AFTER,
+    PROBE_SHARE,
     AdaptiveSpec,
     CostModel,
     RequestAcceptStats,
@@ -68,10 +70,40 @@ def test_the_batch_is_costed_as_a_whole():
 
 def test_plain_steps_probe_with_exponential_back_off():
     costs = _costs({1: 0.010, 2: 0.030, 4: 0.031, 6: 0.032})
-    policy = WidthPolicy(probe_first=4, probe_max=16, probe_every=4)
+    policy = WidthPolicy(probe_first=4, probe_max=16, probe_every=4, probe_share=1.0)  # the doubling alone
     picks = [policy.choose(costs, 1, [0.1], WIDTHS) for _ in range(4 + 8 + 16 + 16)]
     probes = [i for i, w in enumerate(picks) if w > 1]
     assert probes == [3, 11, 27, 43] and all(picks[i] == 2 for i in probes)  # the cheapest speculative step
+
+
+def test_a_dear_probe_is_a_small_share_of_the_stretch_after_it():
+    """At 256 requests on an H200 a probe (an eager step, the stretch's deferred draft_extend before it) cost about
+    ten plain steps, and probes every 32-64 steps took 25% of a pass: the next stretch is long enough that the
+    probe is at most PROBE_SHARE of it."""
+    costs = _costs({1: 0.001, 2: 0.010, 4: 0.012, 6: 0.014})
+    policy = WidthPolicy()
+    picks = [policy.choose(costs, 256, [0.1], WIDTHS) for _ in range(32 + 400)]
+    probes = [i for i, w in enumerate(picks) if w > 1]
+    stretch = math.ceil(0.010 / (PROBE_SHARE * 0.001))  # 10 plain steps' probe / 3%
+    assert probes == [31, 31 + stretch] and policy.probe_every == min(stretch * 2, policy.probe_max)
+    cheap = WidthPolicy()  # a probe of 1.5 plain steps (a chain at batch 1): 50 steps would do, the doubling decides
+    picks = [cheap.choose(_costs({1: 0.010, 2: 0.015, 4: 0.018, 6: 0.02}), 1, [0.1], WIDTHS) for _ in range(200)]
+    assert [i for i, w in enumerate(picks) if w > 1] == [31, 31 + 64] and cheap.probe_every == 128
+
+
+def test_speculation_that_stops_at_once_does_not_restart_the_probe_back_off():
+    """A probe finds acceptance high, the next step speculates on its merits and the one after goes plain again
+    (the step cost more than the estimate): the back-off goes on growing. Speculation that holds for probe_first
+    steps starts it over, so a batch that turns plain is probed again soon."""
+    costs = _costs({1: 0.010, 2: 0.030, 4: 0.031, 6: 0.032})
+    policy = WidthPolicy(probe_first=4, probe_max=64, probe_every=4, probe_share=1.0)
+    for _ in range(4 + 8):  # two probes: the next stretch is 16
+        policy.choose(costs, 1, [0.1], WIDTHS)
+    assert policy.probe_every == 16
+    assert policy.choose(costs, 1, [1.0], WIDTHS) == 6  # on its merits, once
+    assert policy.choose(costs, 1, [0.1], WIDTHS) == 1 and policy.probe_every == 16
+    assert [policy.choose(costs, 1, [1.0], WIDTHS) for _ in range(4)] == [6] * 4  # it holds
+    assert policy.choose(costs, 1, [0.1], WIDTHS) == 1 and policy.probe_every == 4
 
 
 def test_the_probe_takes_the_cheapest_speculative_width_by_cost():

@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +44,7 @@ OBSERVED_WINDOW = 9  # a width's step cost is the median of its last this many r
 ALPHA_CEILING = 0.9  # a probe is skipped where even this acceptance would not pay for the width's measured cost
 HOPELESS_AFTER = 3  # ... once that cost rests on this many real steps
 SWITCH_GAIN = 1.05  # from plain, speculation must promise this much more (a switch costs a draft_extend)
+PROBE_SHARE = 0.03  # a probe may cost at most this share of the plain stretch after it (by the measured costs)
 
 
 def check_adaptive(value: object) -> bool:
@@ -203,14 +205,18 @@ class CostModel:
 @dataclass(slots=True)
 class WidthPolicy:
     """The width that maximises expected tokens per second; probes the cheapest speculative width (by the cost
-    model) after a run of plain steps (first after probe_first of them, then twice as long each time, up to
-    probe_max): a probe that finds acceptance low again costs least there, and one that finds it high lets
-    the policy widen on its merits."""
+    model) after a run of plain steps (first after probe_first of them, then at least twice as long each time,
+    and long enough that the probe costs at most probe_share of the stretch, up to probe_max): a probe that finds
+    acceptance low again costs least there, and one that finds it high lets the policy widen on its merits.
+    The back-off starts over only after speculation held for probe_first steps: a probe whose speculation
+    stops again at once (it paid on paper, not in the steps it then measured) does not shorten the next stretch."""
     probe_first: int = 32
     probe_max: int = 512
     plain_run: int = 0
     probe_every: int = 32
     speculating: bool = False  # the last choice on the merits was a speculative width
+    spec_run: int = 0  # speculative steps chosen on their merits in a row
+    probe_share: float = PROBE_SHARE
 
     def best(self, costs: CostModel, batch_size: int, alphas: Sequence[float], widths: Sequence[int]) -> int:
         """The width of the most expected tokens per second; from plain, a speculative width must beat plain by
@@ -230,15 +236,22 @@ class WidthPolicy:
         w = self.best(costs, batch_size, alphas, widths)
         self.speculating = w > 1
         if w > 1 or len(widths) == 1:
-            self.plain_run, self.probe_every = 0, self.probe_first
+            self.plain_run = 0
+            self.spec_run += 1
+            if self.spec_run >= self.probe_first:  # speculation held: when it stops, probe again soon
+                self.probe_every = self.probe_first
             return w
+        self.spec_run = 0
         self.plain_run += 1
         if self.plain_run < self.probe_every:
             return 1
-        self.plain_run, self.probe_every = 0, min(2 * self.probe_every, self.probe_max)
         # the cheapest step that still measures acceptance, by its measured cost: a chained full-width EAGLE step
         # costs less than a narrower unchained one
         w = min((w for w in widths if w > 1), key=lambda w: (costs.step_s(batch_size, w), w))
+        # the next stretch: twice this one, and long enough that this probe is at most probe_share of it (at a
+        # large batch a probe, with the draft_extend over the stretch's rows before it, costs ~10 plain steps)
+        dear = costs.step_s(batch_size, w) / (self.probe_share * costs.step_s(batch_size, 1))
+        self.plain_run, self.probe_every = 0, min(max(2 * self.probe_every, math.ceil(dear)), self.probe_max)
         return w if self.could_pay(costs, batch_size, w) else 1
 
     @staticmethod
