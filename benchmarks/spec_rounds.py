@@ -82,9 +82,9 @@ def _sync() -> None:
 def _spec_counts(llm) -> tuple[int, int, int, int, float, dict]:
     s = llm.engine.spec_stats()
     if s is None:
-        return 0, 0, 0, 0, 0.0, {}
+        return 0, 0, 0, 0, 0.0, {}, 0, 0.0
     return (s.verify_steps, s.accepted_tokens, s.plain_window_steps, s.chain_reads, s.chain_wait_s,
-            dict(s.width_histogram))
+            dict(s.width_histogram), s.worker_steps, s.worker_step_s)
 
 
 def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
@@ -106,12 +106,17 @@ def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
     after = _spec_counts(llm)
     steps, acc, plain_w, reads, wait = (a - b for a, b in zip(after[:5], before[:5]))
     widths = {w: n - before[5].get(w, 0) for w, n in after[5].items() if n != before[5].get(w, 0)}
+    worker_steps, worker_s = after[6] - before[6], after[7] - before[7]
+    ada = getattr(llm.engine.spec, "adaptive", None)
     # the host's wait at each chained read: near a step's device time when the device sets the pace, near 0
     # when the host does
     return dict(tok_s=n / wall, tokens=n, wall_s=wall, verify_steps=steps,
                 accept_length=(acc + steps) / steps if steps else None, plain_window_steps=plain_w,
                 steps_by_width=widths, wall_us_per_step=1e6 * wall / steps if steps else None,
-                chain_wait_us_per_read=1e6 * wait / reads if reads else None)
+                chain_wait_us_per_read=1e6 * wait / reads if reads else None,
+                # the worker's steps (speculative, probes, a batch's first decode, prefill): their share of the pass
+                worker_steps=worker_steps, worker_share=round(worker_s / wall, 4),
+                cost_model=ada.costs.snapshot() if ada is not None else None)
 
 
 def build(base, names: list[str], extra: dict, device: str) -> dict:
@@ -165,6 +170,8 @@ def rounds(llms: dict, convs_by_c: dict, rounds_n: int, tokens_by_c: dict, resul
                 print(f"round {r} c={c} {name}: {point['tok_s']:.0f} tok/s"
                       + (f" ({point['tok_s'] / paired:.3f}x {ref} just before)" if paired else "")
                       + f" accept {point['accept_length']} steps by width {point['steps_by_width']}"
+                      + (f" worker {point['worker_steps']} steps {100 * point['worker_share']:.0f}% of the pass"
+                         if point["worker_steps"] else "")
                       + (f" wall {point['wall_us_per_step']:.0f} us/step, host waits "
                          f"{point['chain_wait_us_per_read']:.0f} us/read"
                          if point.get("chain_wait_us_per_read") is not None else ""), flush=True)

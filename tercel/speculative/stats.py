@@ -17,6 +17,10 @@ class SpecStats:
     # the device sets the pace, near zero when the host does (a benchmark's diagnosis, tercel bench / spec_rounds)
     chain_reads: int = 0
     chain_wait_s: float = 0.0
+    # steps that went through the worker (speculative or probe steps, a batch's first decode, prefill chunks) and
+    # the host's wall time inside them, draft_extend and reads included: what leaving the plain windows costs
+    worker_steps: int = 0
+    worker_step_s: float = 0.0
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.verify_steps += 1

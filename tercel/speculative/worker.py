@@ -107,6 +107,14 @@ class SpecWorker:
         self._step_began = now
 
     def step(self, scheduled: list[ScheduledRequest]) -> list[RequestOutput]:
+        start = time.perf_counter()
+        try:
+            return self._step(scheduled)
+        finally:
+            self.stats.worker_steps += 1
+            self.stats.worker_step_s += time.perf_counter() - start
+
+    def _step(self, scheduled: list[ScheduledRequest]) -> list[RequestOutput]:
         self._sync_target()
         self._plain_grant = None  # a step through here (a prefill, a probe) ends the plain stretch's batch
         decoding, rest = [], []
