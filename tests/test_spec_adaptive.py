@@ -61,6 +61,19 @@ def test_an_intermediate_width_when_it_maximises_tokens_per_second():
     assert WidthPolicy().best(_costs({1: 0.010, 2: 0.011, 4: 0.012, 6: 0.030}, overhead=0.03), 1, [0.7], WIDTHS) == 1
 
 
+def test_a_running_width_yields_only_to_one_better_by_the_switch_gain():
+    """At 64 requests on an H200 the adaptive EAGLE-3 chain left its chained full width for single width-2 / 4
+    steps (3-5 a pass, each ending and restarting the chain) and read 0.85-0.89x where the fixed chain read
+    0.96-1.0x: a narrower width must beat the running one by SWITCH_GAIN, as speculation must beat plain."""
+    costs = _costs({1: 0.010, 2: 0.011, 4: 0.012, 6: 0.0135})
+    policy = WidthPolicy()
+    assert policy.choose(costs, 1, [0.7], WIDTHS) == 6
+    assert WidthPolicy().best(costs, 1, [0.6], WIDTHS) == 4  # 2.7% more tokens per second than 6 at 0.6
+    assert policy.choose(costs, 1, [0.6], WIDTHS) == 6  # ... not enough to leave the running width
+    assert policy.choose(costs, 1, [0.4], WIDTHS) == 4  # 10% more: it switches
+    assert policy.choose(costs, 1, [0.05], WIDTHS) == 1  # plain needs no margin over a dear speculative width
+
+
 def test_the_batch_is_costed_as_a_whole():
     # one request that accepts everything does not carry seven that accept nothing
     costs = _costs({1: 0.010, 2: 0.016, 4: 0.02, 6: 0.024}, bucket=8)

@@ -214,18 +214,19 @@ class WidthPolicy:
     probe_max: int = 512
     plain_run: int = 0
     probe_every: int = 32
-    speculating: bool = False  # the last choice on the merits was a speculative width
+    width: int = 1  # the last width chosen on its merits (1: plain)
     spec_run: int = 0  # speculative steps chosen on their merits in a row
     probe_share: float = PROBE_SHARE
 
     def best(self, costs: CostModel, batch_size: int, alphas: Sequence[float], widths: Sequence[int]) -> int:
-        """The width of the most expected tokens per second; from plain, a speculative width must beat plain by
-        SWITCH_GAIN (near a tie, switching back and forth costs more than either choice)."""
+        """The width of the most expected tokens per second; a speculative width other than the one running must
+        beat it by SWITCH_GAIN (near a tie, switching back and forth costs more than either choice: from plain a
+        draft_extend, from the chained full width the chain's end and restart around an unchained step)."""
         rates = []
         for w in widths:  # asked per window and per chained step over the whole batch: no per-row Python frames
             tokens = float(len(alphas)) if w == 1 else sum(map(expected_tokens, alphas, itertools.repeat(w)))
             rate = tokens / costs.step_s(batch_size, w)
-            rates.append((rate if w == 1 or self.speculating else rate / SWITCH_GAIN, -w))
+            rates.append((rate if w == 1 or w == self.width else rate / SWITCH_GAIN, -w))
         return -max(rates)[1]  # ties go to the narrower width
 
     def plain_budget(self) -> int:
@@ -234,7 +235,7 @@ class WidthPolicy:
 
     def choose(self, costs: CostModel, batch_size: int, alphas: Sequence[float], widths: Sequence[int]) -> int:
         w = self.best(costs, batch_size, alphas, widths)
-        self.speculating = w > 1
+        self.width = w
         if w > 1 or len(widths) == 1:
             self.plain_run = 0
             self.spec_run += 1
