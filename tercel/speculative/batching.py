@@ -10,7 +10,7 @@ import torch
 from ..batching import RowSpan, Upload, blocks_covering, build_batch
 from ..forward_batch import CaptureHiddenMode, ForwardBatch
 from ..request import Request
-from .tree import DraftTree
+from .tree import DraftTree, tree_masks
 
 
 @dataclass(slots=True)
@@ -58,12 +58,8 @@ def verify_batch(reqs: Sequence[Request], trees: Sequence[DraftTree] | None, dev
     if device_tokens is not None:
         t_ids = device_tokens.reshape(-1)
     masks = None
-    if with_masks:
-        host = torch.zeros(b, width, width, dtype=torch.bool)
-        host[:, range(width), range(width)] = True  # padding rows see themselves only: never an empty row
-        for i, t in enumerate(trees):
-            host[i, :len(t), :len(t)] = t.attention_mask()
-        masks = host.to(device, non_blocking=True)
+    if with_masks:  # padding rows (parent -1) see themselves only: never an empty row
+        masks = tree_masks(torch.tensor(parents).view(b, width)).to(device, non_blocking=True)
     batch = ForwardBatch(
         input_ids=t_ids, positions=t_pos, out_cache_loc=t_slots, seq_lens=t_lens,
         block_tables=t_tables.view(b, cols), logits_indices=torch.arange(b * width, device=device),

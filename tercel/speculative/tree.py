@@ -53,14 +53,7 @@ class DraftTree:
 
     def attention_mask(self) -> torch.Tensor:
         """[n, n] bool: node i sees node j iff j is i or an ancestor of i (the tree attention mask)."""
-        n = len(self)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            j = i
-            while j >= 0:
-                mask[i, j] = True
-                j = self.parents[j]
-        return mask
+        return tree_masks(torch.tensor([self.parents]))[0]
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root to `node`, both included (the retrieve indices of that path)."""
@@ -69,6 +62,24 @@ class DraftTree:
             path.append(node)
             node = self.parents[node]
         return path[::-1]
+
+
+def tree_masks(parents: torch.Tensor) -> torch.Tensor:
+    """[B, W, W] bool tree attention masks from parents [B, W] (-1: a root, or a padding row that sees only
+    itself): row i sees i and its ancestors. One pass per tree level for the whole batch; element-wise
+    assignment per request and node cost ~0.25 ms a tree-16 request on the host, 16 ms a verify step at 64."""
+    b, w = parents.shape
+    masks = torch.eye(w, dtype=torch.bool).repeat(b, 1, 1)
+    rows = torch.arange(b).unsqueeze(1).expand(b, w)
+    nodes = torch.arange(w).unsqueeze(0).expand(b, w)
+    anc = parents.long()
+    for _ in range(w - 1):  # anc: each node's ancestor one level further up (-1 past the root)
+        live = anc >= 0
+        if not bool(live.any()):
+            break
+        masks[rows[live], nodes[live], anc[live]] = True
+        anc = torch.where(live, parents.gather(1, anc.clamp(min=0)), anc)
+    return masks
 
 
 def select_tree_nodes(scores: torch.Tensor, parents: torch.Tensor, num_nodes: int) -> tuple[list[int], list[int]]:
