@@ -25,6 +25,7 @@ import bisect
 import collections
 import itertools
 import math
+import operator
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -103,6 +104,11 @@ def stats_of(r: Request, prior: float = PRIOR_ALPHA) -> RequestAcceptStats:
     if not isinstance(st, RequestAcceptStats):
         st = r.spec_adaptive = RequestAcceptStats(prior * PRIOR_WEIGHT, PRIOR_WEIGHT)
     return st
+
+
+def same_batch(a: Sequence[Request], b: Sequence[Request]) -> bool:
+    """The same requests in the same order (identity): a plain stretch's batch, checked once per window."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -269,7 +275,6 @@ class WidthPolicy:
 class _Segment:
     """Plain windows' hidden rows over one unchanged batch, as the windows made them ([n, B, H] each)."""
     reqs: list[Request]
-    key: tuple[int, ...]  # the requests' ids, in order
     cols: dict[int, int]  # id(request) -> its column (a dropped request leaves)
     parts: list[torch.Tensor] = field(default_factory=list)
     rows: int = 0
@@ -347,16 +352,15 @@ class AdaptiveSpec:
         """A plain decode window's tokens are counted: hidden [n, B, H] (its own tensor), request i's rows in
         column i. While the batch stays the same the windows' tensors are only kept (no work per request: at a
         large batch that work would slow the plain steps down); they are split per request when it changes."""
-        key = tuple(map(id, reqs))
         seg = self.segment
-        if seg is None or seg.key != key:
+        if seg is None or not same_batch(seg.reqs, reqs):
             self.split_segment()
             n = hidden.shape[0]
             for r in reqs:
                 st = stats_of(r)
                 if not st.deferred:
                     st.deferred_start, st.deferred_rows = r.num_computed_tokens - n, 0
-            seg = self.segment = _Segment(list(reqs), key, {id(r): i for i, r in enumerate(reqs)})
+            seg = self.segment = _Segment(list(reqs), {id(r): i for i, r in enumerate(reqs)})
         seg.parts.append(hidden)
         seg.rows += hidden.shape[0]
         if seg.rows >= self.defer_cap:

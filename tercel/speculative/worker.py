@@ -14,7 +14,6 @@ KV bookkeeping for one request whose root (last sampled token) sits at position 
 from __future__ import annotations
 
 import logging
-import operator
 import time
 import weakref
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from ..outputs import RequestOutput
 from ..request import Request
 from ..sampling import greedy_tokens, token_logprobs
 from ..scheduler import ScheduledRequest
-from .adaptive import AdaptiveSpec, candidate_widths
+from .adaptive import AdaptiveSpec, candidate_widths, same_batch
 from .batching import VerifyLayout, verify_batch
 from .drafter import DeviceChains, Drafter, ExtendedChunk
 from .host import SpecEngine
@@ -166,8 +165,7 @@ class SpecWorker:
         # the same batch as the last windows, which ran plain (so its draft states stay deferred): the policy's
         # answer stands until the batch changes or the stretch ends in a probe. Plain steps change no acceptance,
         # and weighing every request per window cost ~0.2 ms a step at 256 requests (batch_gaps.py --host-profile)
-        grant = self._plain_grant
-        if grant is not None and len(grant) == len(running) and all(map(operator.is_, grant, running)):
+        if self._plain_grant is not None and same_batch(self._plain_grant, running):
             return ada.policy.plain_budget()
         self._plain_grant = None
         for r in running:
