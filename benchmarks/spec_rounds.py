@@ -215,6 +215,8 @@ def main() -> None:
     ap.add_argument("--shape", default=None, help="llama8b: also the 8B shape, random weights + random head")
     ap.add_argument("--skip-smollm2", action="store_true", help="only the --shape part")
     ap.add_argument("--shape-rounds", type=int, default=5)
+    ap.add_argument("--shape-configs", default=",".join(SHAPE_KINDS),
+                    help="the --shape part's engines; NAME@VAR=VALUE adds developer switches (benchmarks/common.py)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--kv-bytes", type=int, default=2 << 30, help="KV pool per engine")
     ap.add_argument("--out", required=True)
@@ -222,6 +224,9 @@ def main() -> None:
     for n in args.configs.split(","):
         if n:
             config(n)  # an unknown name or switch stops here, before anything loads
+    for n in args.shape_configs.split(",") if args.shape else ():
+        if split_config(n)[0] not in SHAPE_KINDS:
+            raise SystemExit(f"--shape-configs: {n!r} is not one of {', '.join(SHAPE_KINDS)} (+ @VAR=VALUE)")
 
     import torch
 
@@ -275,6 +280,9 @@ def main() -> None:
     write()
 
 
+SHAPE_KINDS = ("plain", "eagle3-chain", "eagle3-chain-adaptive", "eagle3-tree16")  # the --shape part's engines
+
+
 def shape_bench(args, res: dict, write) -> None:
     """Llama-3.1-8B shape, random weights, a random one-layer EAGLE-3 head (every draft rejected): a chain step and
     a tree-16 step against a plain step (#30 item 5), and adaptive against plain (#31)."""
@@ -289,26 +297,34 @@ def shape_bench(args, res: dict, write) -> None:
     loaded = random_loaded("llama-3.1-8b", 2048, torch.bfloat16, "cuda")
     head = random_eagle3(Path(tempfile.mkdtemp()) / "e3", loaded.config, draft_vocab_size=32000)
     kw = dict(loaded=loaded, dtype=torch.bfloat16, device="cuda", progress=False, skip_tokenizer_init=True,
-              kv_cache_memory=8 << 30, cuda_graph_bs=[1], max_model_len=2048)
+              kv_cache_memory=2 << 30, cuda_graph_bs=[1], max_model_len=2048)
     spec = dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1, speculative_draft_model_path=str(head))
     tree = dict(spec, speculative_eagle_topk=4, speculative_num_draft_tokens=16, speculative_adaptive="off")
-    llms = {"plain": LLM(**kw), "eagle3-chain": LLM(**kw, **spec, speculative_adaptive="off"),
-            "eagle3-chain-adaptive": LLM(**kw, **spec), "eagle3-tree16": LLM(**kw, **tree)}
+    kinds = {"plain": {}, "eagle3-chain": dict(spec, speculative_adaptive="off"), "eagle3-chain-adaptive": spec,
+             "eagle3-tree16": tree}
+    envs = {}
+    llms = {}
+    for name in args.shape_configs.split(","):
+        base, envs[name] = split_config(name)
+        with switches(envs[name]):  # built, warmed and run under its switches (graphs keep what they chose)
+            llms[name] = LLM(**kw, **kinds[base])
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1000, 100000, (64,), generator=g).tolist() for _ in range(2)]
     from tercel import SamplingParams
 
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
-    for llm in llms.values():
-        llm.generate(prompts[:1], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    for name, llm in llms.items():
+        with switches(envs[name]):
+            llm.generate(prompts[:1], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     for r in range(args.shape_rounds):
         for name, llm in llms.items():
             before = _spec_counts(llm)
             _sync()
-            t0 = time.perf_counter()
-            n = sum(len(llm.generate([p], params)[0].outputs[0].token_ids) for p in prompts)
-            _sync()
-            wall = time.perf_counter() - t0
+            with switches(envs[name]):
+                t0 = time.perf_counter()
+                n = sum(len(llm.generate([p], params)[0].outputs[0].token_ids) for p in prompts)
+                _sync()
+                wall = time.perf_counter() - t0
             steps, acc, plain_w = (a - b for a, b in zip(_spec_counts(llm)[:3], before[:3]))
             point = dict(tok_s=n / wall, tokens=n, wall_s=wall, verify_steps=steps, plain_window_steps=plain_w,
                          accept_length=(acc + steps) / steps if steps else None)

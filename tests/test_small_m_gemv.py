@@ -160,14 +160,17 @@ def _smol_model(dtype: torch.dtype):
     return model, cfg
 
 
-def _verify_steps(model, kv, reqs, t: int, steps: int, fused: bool, run=None) -> list[torch.Tensor]:
-    """Greedy chains: each step verifies t tokens of request 0 (causal) and appends the first argmax."""
+def _verify_steps(model, kv, reqs, t: int, steps: int, fused: bool, run=None,
+                  tokens: list[int] | None = None) -> list[torch.Tensor]:
+    """Greedy chains: each step verifies t tokens of request 0 (causal) and appends the first argmax, or
+    tokens[i] where given (so runs compared against each other see the same contexts: at a near-tie of a random
+    model's logits a bf16 argmax may flip, and the runs would then compare logits of different texts)."""
     os.environ["TERCEL_FUSED_DECODE"] = "1" if fused else "0"
     try:
         out = []
-        for _ in range(steps):
+        for i in range(steps):
             logits = (run(reqs.batch([0], t)) if run is not None else model(reqs.batch([0], t), kv)).logits.clone()
-            reqs.advance([0], logits[:1].argmax(-1).tolist())
+            reqs.advance([0], [tokens[i]] if tokens is not None else logits[:1].argmax(-1).tolist())
             out.append(logits)
         return out
     finally:
@@ -183,7 +186,8 @@ def _runs(model, cfg, t: int, graph: bool) -> tuple[list, list, list | None]:
     kvs = [kv_pool(cfg, "cuda", dtype, 200, 16) for _ in range(3)]
     reqs = [FakeRequests(1, kv, cfg.vocab_size, min_len=100, max_len=101) for kv in kvs]
     want = _verify_steps(model, kvs[0], reqs[0], t, 3, fused=False)
-    eager = _verify_steps(model, kvs[1], reqs[1], t, 3, fused=True)
+    forced = [int(w[0].argmax()) for w in want]
+    eager = _verify_steps(model, kvs[1], reqs[1], t, 3, fused=True, tokens=forced)
     if not graph:
         return want, eager, None
     os.environ["TERCEL_FUSED_DECODE"] = "1"  # captured with the fused kernels
@@ -193,7 +197,7 @@ def _runs(model, cfg, t: int, graph: bool) -> tuple[list, list, list | None]:
         runner.capture_all()
     finally:
         os.environ.pop("TERCEL_FUSED_DECODE", None)
-    graphed = _verify_steps(model, kvs[2], reqs[2], t, 3, fused=True, run=runner.run)
+    graphed = _verify_steps(model, kvs[2], reqs[2], t, 3, fused=True, run=runner.run, tokens=forced)
     assert runner.stats.eager == 0
     return want, eager, graphed
 
