@@ -218,19 +218,25 @@ def test_smol_verify_fp32_fused_greedy_equals_unfused(monkeypatch):
 
 
 def _graph_equals_eager_near_unfused(model, cfg) -> None:
-    """Verify steps of 2, 8 and 16 tokens: graph replay == eager bit for bit, and within bf16 of the unfused path
-    (logits, and nearly every greedy token)."""
+    """Verify steps of 2, 8 and 16 tokens: graph replay == eager bit for bit, and within bf16 of the unfused path:
+    the logits' norm, and the same greedy token on every row whose unfused lead over its runner-up is clear of the
+    rounding drift (8x the row's rms difference). A random model's logits are near-flat, so near-ties are common
+    and a bf16 argmax may flip there (4 of 24 rows at t = 8 on an H100); a wrong product would flip clear ones."""
+    clear = 0
     for t in (2, 8, 16):
         want, eager, graphed = _runs(model, cfg, t, graph=True)
-        agree = total = 0
         for g, e, w in zip(graphed, eager, want):
             assert torch.equal(g, e), t
             # 30 layers that round at different points (a fused norm stays fp32, the unfused one rounds to bf16)
             # drift by ~3% of the logits' norm; the fp32 test above holds the kernels to 1e-4
             assert float((e - w).norm() / w.norm()) < 4e-2, t
-            agree += int((e.argmax(-1) == w.argmax(-1)).sum())
-            total += w.shape[0]
-        assert agree >= 0.9 * total, (t, agree, total)
+            top2 = w.float().topk(2, dim=-1).values
+            lead = top2[:, 0] - top2[:, 1]
+            drift = (e.float() - w.float()).pow(2).mean(-1).sqrt()
+            rows = lead > 8 * drift
+            clear += int(rows.sum())
+            assert torch.equal(e.argmax(-1)[rows], w.argmax(-1)[rows]), (t, rows.nonzero().flatten().tolist())
+    assert clear > 0, "no verify row had a clear greedy token, so the check saw nothing"
 
 
 @needs_cuda
