@@ -101,6 +101,15 @@ def build_batch(spans: Sequence[RowSpan], block_size: int, cols: int | None = No
     return BatchRows(positions, slots, seq_lens, padded_tables(reqs, cols), cols, ids)
 
 
+def decode_rows(reqs: Sequence[Request], ahead: int, block_size: int) -> BatchRows:
+    """build_batch for one row per request at position num_computed_tokens + ahead (a decode window of one
+    step): the same rows, without a RowSpan per request (this runs per step at every batch size)."""
+    positions = [r.num_computed_tokens + ahead for r in reqs]
+    slots = [r.block_table[p // block_size] * block_size + p % block_size for r, p in zip(reqs, positions)]
+    cols = max(len(r.block_table) for r in reqs)
+    return BatchRows(positions, slots, [p + 1 for p in positions], padded_tables(reqs, cols), cols, [])
+
+
 def context_slots(reqs: Sequence[Request], lengths: Sequence[int], block_size: int,
                   device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """The KV slots [B, max(lengths)] of each request's positions < lengths[i], as one tensor op over the

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .batching import RowSpan, build_batch, step_batch
+from .batching import RowSpan, build_batch, decode_rows, step_batch
 from .config import ConfigError, EngineConfig, ModelLoadConfig
 from .cpu_threads import apply_threads
 from .executor import DECODE, Executor, StepKey
@@ -615,17 +615,6 @@ class LLMEngine:
             return self.sink.postprocess(reqs, tokens, logprobs)
 
     # ---- multi-step decode -----------------------------------------------------------------
-    @staticmethod
-    def _window_eligible(req: Request) -> bool:
-        """Can this request's next tokens be chosen on the device, with no host data per step? Not with
-        penalties (they count the tokens just sampled), logprobs (computed per step on the host),
-        min_tokens still to reach (stop ids masked by count) or a grammar (structured output: its mask
-        follows each token on the host). Sampling is fine: draw k's noise is a hash
-        of (seed, k), the same whichever step kind makes the draw."""
-        p = req.params
-        return (not p.has_penalties and p.logprobs is None and len(req.output_token_ids) >= p.min_tokens
-                and req.grammar is None)
-
     def _window_steps(self, ahead: int = 0) -> int:
         """Forwards the next decode window may run without a host sync; 0: no window (a normal step runs).
         A window of one forward only under the overlap schedule. ahead: tokens of an in-flight window not
@@ -638,21 +627,32 @@ class LLMEngine:
             n = min(n, self.spec.plain_window(self.scheduler.running))
             if n < 1:
                 return 0
+        # A request's next tokens can be chosen on the device, with no host data per step, unless it has
+        # penalties (they count the tokens just sampled), logprobs (computed per step on the host), min_tokens
+        # still to reach (stop ids masked by count) or a grammar (its mask follows each token on the host).
+        # Sampling is fine: draw k's noise is a hash of (seed, k), the same whichever step kind makes the draw.
+        # (Per request per step: the checks and Request.num_tokens inlined.)
+        room = self.config.max_model_len - ahead
         for r in self.scheduler.running:
-            if not self._window_eligible(r):
+            p, done = r.params, len(r.output_token_ids)
+            if (done < p.min_tokens or p.logprobs is not None or r.grammar is not None or p.repetition_penalty != 1.0
+                    or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
                 return 0
-            n = min(n, r.params.max_tokens - len(r.output_token_ids) - ahead,
-                    self.config.max_model_len - r.num_tokens - ahead)
+            n = min(n, p.max_tokens - done - ahead, room - len(r.prompt_token_ids) - done)
         return n if n > 1 or (n == 1 and self.overlap_schedule) else 0
 
     def _build_window(self, reqs: list[Request], num_steps: int, ahead: int = 0,
                       first_ids: torch.Tensor | None = None) -> DecodeWindow:
         """ahead, first_ids: the window after an in-flight one, whose last tokens (on the device) are the
         input of forward 0 and whose `ahead` positions are not counted in num_computed_tokens yet."""
-        rows = build_batch([RowSpan(r, r.num_computed_tokens + ahead, num_steps) for r in reqs], self.kv.block_size)
-        # the rows come request by request; the window reads them step by step
-        positions, slots = _step_major(rows.positions, num_steps), _step_major(rows.slots, num_steps)
-        seq_lens = [p + 1 for p in positions]
+        if num_steps == 1:  # the overlap schedule's windows
+            rows = decode_rows(reqs, ahead, self.kv.block_size)
+            positions, slots, seq_lens = rows.positions, rows.slots, rows.seq_lens
+        else:  # the rows come request by request; the window reads them step by step
+            rows = build_batch([RowSpan(r, r.num_computed_tokens + ahead, num_steps) for r in reqs],
+                               self.kv.block_size)
+            positions, slots = _step_major(rows.positions, num_steps), _step_major(rows.slots, num_steps)
+            seq_lens = [p + 1 for p in positions]
         width = rows.cols
         lists = [positions, slots, seq_lens, rows.tables, list(range(len(reqs)))]
         sampled = any(not r.params.greedy for r in reqs)
@@ -784,14 +784,18 @@ class LLMEngine:
             w.ready.synchronize()
         tokens = w.host_tokens.tolist()  # the window's one device -> host sync
         outputs = []
+        now = time.perf_counter()
+        only = tokens[0] if w.num_steps == 1 else None  # the overlap schedule's windows: one token each
         for i, r in enumerate(w.reqs):
             if r.finish_reason is not None:  # aborted, or stopped inside the previous window
                 continue
             r.num_computed_tokens += w.num_steps
             # one that stops inside the window discards the rest of its tokens; its blocks are freed
-            self.sink.append_tokens(r, [row[i] for row in tokens[:w.num_steps]])
+            if only is not None:
+                self.sink.append_token(r, only[i], None, now)
+            else:
+                self.sink.append_tokens(r, [row[i] for row in tokens[:w.num_steps]], now=now)
             self.sink.emit(outputs, r)
-        now = time.perf_counter()
         if w.spec_plain:  # the pace of back-to-back plain windows is what a plain step costs here
             pace = None if self._last_plain_window is None else (now - self._last_plain_window) / w.num_steps
             self.spec.after_plain_window(w.reqs, w.hidden, w.num_steps, pace)

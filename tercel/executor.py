@@ -18,6 +18,7 @@ import torch
 
 from .forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
 from .graphs.runner import CudaGraphRunner, GraphConfig, StepKind
+from .graphs.staging import HostStager, pack_longs, split_views
 
 if TYPE_CHECKING:
     from .graphs.compiled import CompiledSteps
@@ -61,8 +62,6 @@ class Executor:
         self.device = device
         self.stager = None  # a GPU's pinned staging buffers: a step's inputs go up in one copy
         if device.type == "cuda":
-            from .graphs.staging import HostStager
-
             self.stager = HostStager(device)
         self.compiled: CompiledSteps | None = None  # CPU (--cpu-compile): uniform steps run compiled code
         self.steps: dict[StepKey, StepKind] = {}  # kinds with their own eager forward (not the target's)
@@ -76,7 +75,8 @@ class Executor:
         """Small integer lists to the device as int64 tensors: one pinned copy on a GPU."""
         if self.stager is not None:
             return self.stager.upload(lists)
-        return [torch.tensor(x, dtype=torch.long, device=self.device) for x in lists]
+        flat = pack_longs(lists)
+        return split_views(flat if self.device.type == "cpu" else flat.to(self.device), lists)
 
     def register(self, kind: StepKey, step: StepKind, config: GraphConfig | None = None,
                  mode: CaptureHiddenMode = CaptureHiddenMode.NULL, lazy: bool = False,

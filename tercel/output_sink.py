@@ -31,9 +31,12 @@ class OutputSink:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
 
-    def append_token(self, req: Request, token: int, logprob: dict[int, float] | None) -> None:
-        """Append one generated token, check the stop conditions; a finished request is freed."""
-        now = time.perf_counter()
+    def append_token(self, req: Request, token: int, logprob: dict[int, float] | None,
+                     now: float | None = None) -> None:
+        """Append one generated token, check the stop conditions; a finished request is freed. now: the
+        time the token arrived (one clock read for a whole window's tokens)."""
+        if now is None:
+            now = time.perf_counter()
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         req.output_token_ids.append(token)
@@ -50,11 +53,13 @@ class OutputSink:
             self.requests.pop(req.request_id, None)
 
     def append_tokens(self, req: Request, tokens: list[int],
-                      logprobs: list[dict[int, float] | None] | None = None) -> bool:
+                      logprobs: list[dict[int, float] | None] | None = None, now: float | None = None) -> bool:
         """Append a run of tokens (a window's, or a verify's accepted drafts and bonus) until one stops the
         request; the rest are discarded. True when the request goes on."""
+        if now is None:
+            now = time.perf_counter()
         for i, tok in enumerate(tokens):
-            self.append_token(req, tok, logprobs[i] if logprobs is not None else None)
+            self.append_token(req, tok, logprobs[i] if logprobs is not None else None, now)
             if req.finish_reason is not None:
                 return False
         return True

@@ -208,12 +208,15 @@ class Scheduler:
             return None
         if self.waiting and len(running) < self.max_num_seqs:
             return None
-        if any(r.num_computed_tokens != r.num_tokens - 1 for r in running):
-            return None
-        if self.prefix_cache is not None:
-            for r in running:
-                self.prefix_cache.publish(r)
-        needs = [self._blocks_needed(r, ahead + num_steps) for r in running]
+        for r in running:  # (per request per step: Request.num_tokens inlined)
+            if r.num_computed_tokens != len(r.prompt_token_ids) + len(r.output_token_ids) - 1:
+                return None
+        pc, bs, k = self.prefix_cache, self.block_size, ahead + num_steps
+        if pc is not None:
+            for r in running:  # a block can be newly full and written only once computed tokens cross into it
+                if r.num_computed_tokens // bs > r.num_published_blocks:
+                    pc.publish(r)
+        needs = [max(0, -(-(r.num_computed_tokens + k) // bs) - len(r.block_table)) for r in running]
         if sum(needs) > self.allocator.num_free:
             return None
         for r, n in zip(running, needs):
