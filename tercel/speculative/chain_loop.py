@@ -196,8 +196,11 @@ class ChainLoop:
     def _end(self, w: InflightChain) -> None:
         """The chain stops after step `w` (the last one replayed): the survivors take their draft state from
         its outputs and give back the blocks reserved past their tokens."""
-        for i, r in enumerate(w.reqs):
-            if r.finish_reason is None:
-                self.worker.drafter.chain_ended(r, w.out, i)
-                r.draft_kv_len = r.num_computed_tokens
-                self.worker.free_unused_blocks(r)
+        rows = [i for i, r in enumerate(w.reqs) if r.finish_reason is None]
+        if not rows:
+            return
+        live = [w.reqs[i] for i in rows]
+        self.worker.drafter.chains_ended(live, rows, w.out)
+        for r in live:
+            r.draft_kv_len = r.num_computed_tokens
+            self.worker.free_unused_blocks(r)

@@ -178,8 +178,9 @@ class DFlashDrafter(Drafter):
 
         return DFlashChainBatch(roots, base, tables, live, sampling)
 
-    def chain_ended(self, r: Request, out, i: int) -> None:
-        self._state(r).context_len = r.num_computed_tokens  # the chain injected every committed position
+    def chains_ended(self, reqs: list[Request], rows: list[int], out) -> None:
+        for r in reqs:
+            self._state(r).context_len = r.num_computed_tokens  # the chain injected every committed position
 
     # ---- draft ---------------------------------------------------------------------------
     @torch.inference_mode()

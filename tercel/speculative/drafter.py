@@ -70,8 +70,9 @@ class Drafter:
         this drafter's own state of each request (chain_loop.py)."""
         raise NotImplementedError
 
-    def chain_ended(self, r: Request, out: Any, i: int) -> None:
-        """A chain ended after a step whose outputs are `out`: request row i takes its draft state from them."""
+    def chains_ended(self, reqs: list[Request], rows: list[int], out: Any) -> None:
+        """A chain ended after a step whose outputs are `out`: each request takes its draft state from its row
+        there (reqs[k] from row rows[k]), in a few launches for the whole batch, not a few per request."""
         raise NotImplementedError
 
     def ready(self, req: Request) -> bool:
