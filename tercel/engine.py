@@ -631,12 +631,11 @@ class LLMEngine:
         # penalties (they count the tokens just sampled), logprobs (computed per step on the host), min_tokens
         # still to reach (stop ids masked by count) or a grammar (its mask follows each token on the host).
         # Sampling is fine: draw k's noise is a hash of (seed, k), the same whichever step kind makes the draw.
-        # (Per request per step: the checks and Request.num_tokens inlined.)
+        # (Per request per step: Request.num_tokens inlined.)
         room = self.config.max_model_len - ahead
         for r in self.scheduler.running:
             p, done = r.params, len(r.output_token_ids)
-            if (done < p.min_tokens or p.logprobs is not None or r.grammar is not None or p.repetition_penalty != 1.0
-                    or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+            if done < p.min_tokens or p.logprobs is not None or r.grammar is not None or p.has_penalties:
                 return 0
             n = min(n, p.max_tokens - done - ahead, room - len(r.prompt_token_ids) - done)
         return n if n > 1 or (n == 1 and self.overlap_schedule) else 0

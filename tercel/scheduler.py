@@ -216,7 +216,7 @@ class Scheduler:
             for r in running:  # a block can be newly full and written only once computed tokens cross into it
                 if r.num_computed_tokens // bs > r.num_published_blocks:
                     pc.publish(r)
-        needs = [max(0, -(-(r.num_computed_tokens + k) // bs) - len(r.block_table)) for r in running]
+        needs = [self._blocks_needed(r, k) for r in running]
         if sum(needs) > self.allocator.num_free:
             return None
         for r, n in zip(running, needs):
