@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .batching import RowSpan, build_batch, decode_rows, step_batch
+from .batching import RowSpan, TableRows, build_batch, decode_rows, step_batch
 from .config import ConfigError, EngineConfig, ModelLoadConfig
 from .cpu_threads import apply_threads
 from .executor import DECODE, Executor, StepKey
@@ -200,6 +200,7 @@ class LLMEngine:
         self._last_plain_window: float | None = None  # when the last spec-plain window was read back
         self._download_stream = None  # CUDA (set with the stager): the stream that brings window tokens to the host
         self._window_st: tuple[tuple[str, ...], SamplingTensors] | None = None  # _window_settings' last upload
+        self._window_tables = TableRows()  # the decode windows' block tables, packed once per batch
         # dtype="auto" on the CPU reads the checkpoint's header to pick its path; tensor-parallel ranks load
         # dense shards (a GGUF's 4-bit matrices are not kept), so they resolve it as for a dense checkpoint
         ckpt = checkpoint if loaded is None and config.parallel.tp_size == 1 else None
@@ -645,7 +646,7 @@ class LLMEngine:
         """ahead, first_ids: the window after an in-flight one, whose last tokens (on the device) are the
         input of forward 0 and whose `ahead` positions are not counted in num_computed_tokens yet."""
         if num_steps == 1:  # the overlap schedule's windows
-            rows = decode_rows(reqs, ahead, self.kv.block_size)
+            rows = decode_rows(reqs, ahead, self.kv.block_size, self._window_tables, self.kv.table_cuts)
             positions, slots, seq_lens = rows.positions, rows.slots, rows.seq_lens
         else:  # the rows come request by request; the window reads them step by step
             rows = build_batch([RowSpan(r, r.num_computed_tokens + ahead, num_steps) for r in reqs],

@@ -134,6 +134,7 @@ class PagedKVCache:
         self.k_layers: tuple[torch.Tensor, ...] = self.k.unbind(0)
         self.v_layers: tuple[torch.Tensor, ...] = self.v.unbind(0)
         self.allocator = BlockAllocator(num_blocks)
+        self.table_cuts = 0  # block tables cut in place so far (batching.TableRows repacks after one)
 
     @property
     def block_size(self) -> int:
@@ -154,6 +155,7 @@ class PagedKVCache:
         if len(block_table) > need:
             self.allocator.free(block_table[need:])
             del block_table[need:]
+            self.table_cuts += 1
 
 
 def slot_of(block_table: Sequence[int], pos: int, block_size: int) -> int:

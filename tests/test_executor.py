@@ -7,11 +7,11 @@ import pytest
 import torch
 from graph_utils import FakeRequests, kv_pool, tiny_model
 
-from tercel.batching import RowSpan, build_batch, context_slots
+from tercel.batching import RowSpan, TableRows, build_batch, context_slots, decode_rows, padded_tables
 from tercel.executor import DECODE, DRAFT, Executor, verify_key
 from tercel.graphs import GraphConfig
 from tercel.graphs.steps import ModelStep
-from tercel.kv import slot_of
+from tercel.kv import BlockAllocator, KVCacheSpec, PagedKVCache, slot_of
 from tercel.request import Request
 
 
@@ -40,6 +40,59 @@ def test_build_batch_rows_are_slot_of_per_position(block_size):
         assert rows.seq_lens == [s.start + (s.width or s.count) for s in spans]
         assert rows.cols == max(len(s.request.block_table) for s in spans)
         assert rows.ids == [t for s in spans for t in [7] * s.count + [0] * ((s.width or s.count) - s.count)]
+
+
+def test_decode_rows_are_build_batchs_one_row_per_request():
+    rng = random.Random(5)
+    for _ in range(30):
+        reqs = [_request(rng, start, 1, 4) for start in [rng.randint(0, 60) for _ in range(rng.randint(1, 9))]]
+        for r in reqs:
+            r.num_computed_tokens = (len(r.block_table) - 1) * 4 + rng.randint(0, 3) - rng.randint(0, 1)
+        want = build_batch([RowSpan(r, r.num_computed_tokens, 1) for r in reqs], 4)
+        got = decode_rows(reqs, 0, 4)
+        assert (got.positions, got.slots, got.seq_lens, list(got.tables), got.cols) == (
+            want.positions, want.slots, want.seq_lens, list(want.tables), want.cols)
+
+
+def test_packed_tables_follow_every_change_of_the_batch():
+    """TableRows against padded_tables over random windows: tables that grow, new lists (readmission), cuts in
+    place (counted by the KV cache), requests leaving and joining, a table wider than the rest."""
+    rng = random.Random(11)
+    kv = PagedKVCache(KVCacheSpec(1, 1, 4, 4, torch.float32), 4000, torch.device("cpu"))
+    alloc: BlockAllocator = kv.allocator
+    reqs = [_request(rng, 0, 0, 4) for _ in range(6)]
+    for r in reqs:
+        r.block_table = alloc.allocate(rng.randint(1, 5))
+    cache = TableRows()
+    for step in range(400):
+        op = rng.random()
+        r = rng.choice(reqs)
+        if op < 0.4:  # a window's reservation
+            r.block_table.extend(alloc.allocate(rng.randint(1, 2)))
+        elif op < 0.5:  # tree KV compaction
+            kv.free_unused_blocks(r.block_table, rng.randint(0, 4 * len(r.block_table)))
+        elif op < 0.55:  # preempted and readmitted: a new list of the same length, other blocks
+            table = alloc.allocate(len(r.block_table))
+            alloc.free(r.block_table)
+            r.block_table = table
+        elif op < 0.6 and len(reqs) > 1:  # a request leaves
+            reqs.remove(r)
+        elif op < 0.65:  # one joins
+            new = _request(rng, 0, 0, 4)
+            new.block_table = alloc.allocate(rng.randint(1, 3))
+            reqs.insert(rng.randrange(len(reqs) + 1), new)
+        elif op < 0.75 and len(r.block_table) > 1:  # cut, then grown back to its length with another block
+            kv.free_unused_blocks(r.block_table, 4 * (len(r.block_table) - 1))
+            spare = alloc.allocate(1)  # takes the freed block
+            r.block_table.extend(alloc.allocate(1))
+            alloc.free(spare)
+        if not all(r.block_table for r in reqs):
+            for r in reqs:
+                if not r.block_table:
+                    r.block_table = alloc.allocate(1)
+        flat, cols = cache.packed(reqs, kv.table_cuts)
+        want_cols = max(len(r.block_table) for r in reqs)
+        assert cols == want_cols and list(flat) == padded_tables(reqs, want_cols), step
 
 
 def test_context_slots_mask_past_each_length():
