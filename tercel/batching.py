@@ -103,6 +103,11 @@ def build_batch(spans: Sequence[RowSpan], block_size: int, cols: int | None = No
     return BatchRows(positions, slots, seq_lens, padded_tables(reqs, cols), cols, ids)
 
 
+def same_batch(a: Sequence[Request], b: Sequence[Request]) -> bool:
+    """The same requests in the same order (identity): a batch that decodes on unchanged, checked once per window."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
 @dataclass(slots=True)
 class TableRows:
     """A decode batch's padded block tables (padded_tables), kept packed from one window to the next: while the
@@ -120,7 +125,7 @@ class TableRows:
 
     def packed(self, reqs: Sequence[Request], cuts: int) -> tuple[array, int]:
         """padded_tables(reqs, cols) as int64s, and cols (the longest table). cuts: the KV cache's cut count."""
-        if cuts == self.cuts and len(reqs) == len(self.reqs) and all(map(operator.is_, reqs, self.reqs)):
+        if cuts == self.cuts and same_batch(reqs, self.reqs):
             flat, lens, tables, cols = self.flat, self.lens, self.tables, self.cols
             for i, r in enumerate(reqs):
                 t = r.block_table

@@ -25,7 +25,6 @@ import bisect
 import collections
 import itertools
 import math
-import operator
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..batching import same_batch
 from ..options import ConfigError
 from ..request import Request
 from .drafter import Drafter, ExtendedChunk
@@ -104,11 +104,6 @@ def stats_of(r: Request, prior: float = PRIOR_ALPHA) -> RequestAcceptStats:
     if not isinstance(st, RequestAcceptStats):
         st = r.spec_adaptive = RequestAcceptStats(prior * PRIOR_WEIGHT, PRIOR_WEIGHT)
     return st
-
-
-def same_batch(a: Sequence[Request], b: Sequence[Request]) -> bool:
-    """The same requests in the same order (identity): a plain stretch's batch, checked once per window."""
-    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def default_buckets(max_num_seqs: int) -> tuple[int, ...]:

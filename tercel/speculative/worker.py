@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..batching import step_batch
+from ..batching import same_batch, step_batch
 from ..dev_overrides import env
 from ..executor import CHAIN, CHAIN_SAMPLED, DECODE, StepKey, verify_key
 from ..forward_batch import CaptureHiddenMode, ForwardBatch, ModelOutput
@@ -32,7 +32,7 @@ from ..outputs import RequestOutput
 from ..request import Request
 from ..sampling import greedy_tokens, token_logprobs
 from ..scheduler import ScheduledRequest
-from .adaptive import AdaptiveSpec, candidate_widths, same_batch
+from .adaptive import AdaptiveSpec, candidate_widths
 from .batching import VerifyLayout, verify_batch
 from .drafter import DeviceChains, Drafter, ExtendedChunk
 from .host import SpecEngine
