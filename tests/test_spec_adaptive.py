@@ -83,25 +83,43 @@ def test_the_batch_is_costed_as_a_whole():
 
 def test_plain_steps_probe_with_exponential_back_off():
     costs = _costs({1: 0.010, 2: 0.030, 4: 0.031, 6: 0.032})
-    policy = WidthPolicy(probe_first=4, probe_max=16, probe_every=4, probe_share=1.0)  # the doubling alone
+    policy = WidthPolicy(probe_first=4, probe_max=16, probe_share=1.0)  # the doubling alone
     picks = [policy.choose(costs, 1, [0.1], WIDTHS) for _ in range(4 + 8 + 16 + 16)]
     probes = [i for i, w in enumerate(picks) if w > 1]
     assert probes == [3, 11, 27, 43] and all(picks[i] == 2 for i in probes)  # the cheapest speculative step
 
 
-def test_a_dear_probe_is_a_small_share_of_the_stretch_after_it():
+def test_a_dear_probe_is_a_small_share_of_the_stretches_before_and_after_it():
     """At 256 requests on an H200 a probe (an eager step, the stretch's deferred draft_extend before it) cost about
-    ten plain steps, and probes every 32-64 steps took 25% of a pass: the next stretch is long enough that the
-    probe is at most PROBE_SHARE of it."""
+    ten plain steps, and probes every 32-64 steps took 25% of a pass: the stretches on either side of a probe are
+    long enough that it is at most PROBE_SHARE of each."""
     costs = _costs({1: 0.001, 2: 0.010, 4: 0.012, 6: 0.014})
     policy = WidthPolicy()
-    picks = [policy.choose(costs, 256, [0.1], WIDTHS) for _ in range(32 + 400)]
+    picks = [policy.choose(costs, 256, [0.1], WIDTHS) for _ in range(1200)]
     probes = [i for i, w in enumerate(picks) if w > 1]
     stretch = math.ceil(0.010 / (PROBE_SHARE * 0.001))  # 10 plain steps' probe / 3%
-    assert probes == [31, 31 + stretch] and policy.probe_every == min(stretch * 2, policy.probe_max)
-    cheap = WidthPolicy()  # a probe of 1.5 plain steps (a chain at batch 1): 50 steps would do, the doubling decides
+    assert probes == [stretch - 1, 2 * stretch - 1, 2 * stretch - 1 + policy.probe_max]
+    assert policy.schedule(costs, 256).every == policy.probe_max
+    cheap = WidthPolicy()  # a probe of 1.5 plain steps (a chain at batch 1): 50 steps, then the doubling decides
     picks = [cheap.choose(_costs({1: 0.010, 2: 0.015, 4: 0.018, 6: 0.02}), 1, [0.1], WIDTHS) for _ in range(200)]
-    assert [i for i, w in enumerate(picks) if w > 1] == [31, 31 + 64] and cheap.probe_every == 128
+    assert [i for i, w in enumerate(picks) if w > 1] == [49, 49 + 64] and cheap.schedule(costs, 1).every == 128
+
+
+def test_each_batch_bucket_keeps_its_own_probe_schedule():
+    """In the #31 sweep (one engine, batch 1 then 16 and 64 requests) the EAGLE-3 tree held at batch 1, which
+    started the back-off over, and the 16- and 64-request batches then probed every 32 steps, each probe a
+    tree step of 3-4 plain steps: 0.75-0.87x plain with 1-3 speculative steps a pass. Speculation holding at one
+    batch size says nothing of another's: each bucket has its own stretch and back-off."""
+    costs = CostModel((1, 16), {(b, w): (0.01 if w == 1 else 0.012) * b for b in (1, 16) for w in WIDTHS})
+    policy = WidthPolicy(probe_first=4, probe_max=64, probe_share=1.0)
+    for _ in range(4 + 8 + 16):  # batches of 16 accept nothing: three probes, the next stretch 32
+        policy.choose(costs, 16, [0.0] * 16, WIDTHS)
+    assert policy.schedule(costs, 16).every == 32
+    assert [policy.choose(costs, 1, [0.95], WIDTHS) for _ in range(8)] == [6] * 8  # batch 1 speculates throughout
+    assert policy.schedule(costs, 16).every == 32 and policy.schedule(costs, 1).every == 4
+    picks = [policy.choose(costs, 16, [0.0] * 16, WIDTHS) for _ in range(32)]
+    assert [i for i, w in enumerate(picks) if w > 1] == [31]
+    assert policy.plain_budget(costs, 16, WIDTHS) == 63 and policy.plain_budget(costs, 1, WIDTHS) == 3
 
 
 def test_speculation_that_stops_at_once_does_not_restart_the_probe_back_off():
@@ -109,20 +127,20 @@ def test_speculation_that_stops_at_once_does_not_restart_the_probe_back_off():
     (the step cost more than the estimate): the back-off goes on growing. Speculation that holds for probe_first
     steps starts it over, so a batch that turns plain is probed again soon."""
     costs = _costs({1: 0.010, 2: 0.030, 4: 0.031, 6: 0.032})
-    policy = WidthPolicy(probe_first=4, probe_max=64, probe_every=4, probe_share=1.0)
+    policy = WidthPolicy(probe_first=4, probe_max=64, probe_share=1.0)
     for _ in range(4 + 8):  # two probes: the next stretch is 16
         policy.choose(costs, 1, [0.1], WIDTHS)
-    assert policy.probe_every == 16
+    assert policy.schedule(costs, 1).every == 16
     assert policy.choose(costs, 1, [1.0], WIDTHS) == 6  # on its merits, once
-    assert policy.choose(costs, 1, [0.1], WIDTHS) == 1 and policy.probe_every == 16
+    assert policy.choose(costs, 1, [0.1], WIDTHS) == 1 and policy.schedule(costs, 1).every == 16
     assert [policy.choose(costs, 1, [1.0], WIDTHS) for _ in range(4)] == [6] * 4  # it holds
-    assert policy.choose(costs, 1, [0.1], WIDTHS) == 1 and policy.probe_every == 4
+    assert policy.choose(costs, 1, [0.1], WIDTHS) == 1 and policy.schedule(costs, 1).every == 4
 
 
 def test_the_probe_takes_the_cheapest_speculative_width_by_cost():
     # a chained full-width step (the EAGLE chain graph) can cost less than a narrower unchained one
     costs = _costs({1: 0.010, 2: 0.032, 4: 0.031, 6: 0.018})
-    policy = WidthPolicy(probe_first=4, probe_max=16, probe_every=4)
+    policy = WidthPolicy(probe_first=4, probe_max=16, probe_share=1.0)
     picks = [policy.choose(costs, 1, [0.1], WIDTHS) for _ in range(4)]
     assert picks == [1, 1, 1, 6]
 
@@ -256,7 +274,7 @@ def test_plain_stretches_run_as_decode_windows_and_stay_lossless(smol_llm, promp
     ada = llm.engine.spec.adaptive
     widths = llm.engine.spec.widths()
     ada.costs = CostModel((len(prompts),), {(len(prompts), w): 0.001 if w == 1 else 1.0 for w in widths})
-    ada.policy = WidthPolicy(probe_first=5, probe_max=10, probe_every=5)
+    ada.policy = WidthPolicy(probe_first=5, probe_max=10)
     ada.defer_cap = 6  # some windows fill the buffer and extend the draft mid-stretch
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == plain
@@ -334,15 +352,16 @@ def test_a_width_no_acceptance_could_repay_is_not_probed():
     tree at a large batch), the probes that would re-measure acceptance are skipped: the batch stays plain.
     Before that many real steps, the probe runs (a first slow step may be a one-off)."""
     costs = _costs({1: 0.001, 6: 0.002})
-    policy = WidthPolicy(probe_first=2, probe_max=4, probe_every=2)
+    policy = WidthPolicy(probe_first=2, probe_max=4)
     costs.observe(1, 6, 9.0)  # the first real step (one-time work) is not counted
     for _ in range(HOPELESS_AFTER - 1):
         costs.observe(1, 6, 0.05)  # 50 plain steps' time for at most 6 tokens
-    assert [policy.choose(costs, 1, [0.0], (1, 6)) for _ in range(2)] == [1, 6]
+    # the probe waits for the longest stretch (probe_max: the probe is dear), then runs
+    assert [policy.choose(costs, 1, [0.0], (1, 6)) for _ in range(4)] == [1, 1, 1, 6]
     costs.observe(1, 6, 0.05)
     assert WidthPolicy.could_pay(costs, 1, 2) and not WidthPolicy.could_pay(costs, 1, 6)
     picks = [policy.choose(costs, 1, [0.0], (1, 6)) for _ in range(16)]
-    assert picks == [1] * 16 and policy.probe_every == 4  # the back-off still grows: the stretches get longer
+    assert picks == [1] * 16 and policy.schedule(costs, 1).every == 4  # the back-off grows: longer stretches
 
 
 class _RecordingCosts(CostModel):
@@ -382,7 +401,7 @@ def test_a_plain_stretch_weighs_the_batch_once_not_every_window(smol_llm, prompt
     ada = llm.engine.spec.adaptive
     widths = llm.engine.spec.widths()
     ada.costs = CostModel((len(prompts),), {(len(prompts), w): 0.001 if w == 1 else 1.0 for w in widths})
-    ada.policy = WidthPolicy(probe_first=64, probe_max=64, probe_every=64)
+    ada.policy = WidthPolicy(probe_first=64, probe_max=64)
     asked = []  # the batch (request ids) each time the policy weighs one for a plain stretch
     weigh = AdaptiveSpec.plain_steps
     monkeypatch.setattr(AdaptiveSpec, "plain_steps",

@@ -204,20 +204,36 @@ class CostModel:
 
 
 @dataclass(slots=True)
+class ProbeSchedule:
+    """One batch bucket's plain stretch and probe back-off: whether speculation pays depends on the batch size (a
+    chain that wins alone may lose at 64 requests), so speculation holding at one bucket must not shorten another
+    bucket's stretches."""
+    every: int  # plain steps between probes
+    plain_run: int = 0  # plain steps since the last probe or speculative step
+    spec_run: int = 0  # speculative steps chosen on their merits in a row
+
+
+@dataclass(slots=True)
 class WidthPolicy:
     """The width that maximises expected tokens per second; probes the cheapest speculative width (by the cost
-    model) after a run of plain steps (first after probe_first of them, then at least twice as long each time,
-    and long enough that the probe costs at most probe_share of the stretch, up to probe_max): a probe that finds
-    acceptance low again costs least there, and one that finds it high lets the policy widen on its merits.
-    The back-off starts over only after speculation held for probe_first steps: a probe whose speculation
-    stops again at once (it paid on paper, not in the steps it then measured) does not shorten the next stretch."""
+    model) after a run of plain steps (first after probe_first of them, then at least twice as long each time, up
+    to probe_max), and only once the probe costs at most probe_share of the plain stretch before it and of the one
+    after it: a probe that finds acceptance low again costs least there, and one that finds it high lets the
+    policy widen on its merits. The back-off starts over only after speculation held for probe_first steps: a
+    probe whose speculation stops again at once (it paid on paper, not in the steps it then measured) does not
+    shorten the next stretch. Stretches and back-off are kept per batch bucket (ProbeSchedule)."""
     probe_first: int = 32
     probe_max: int = 512
-    plain_run: int = 0
-    probe_every: int = 32
-    width: int = 1  # the last width chosen on its merits (1: plain)
-    spec_run: int = 0  # speculative steps chosen on their merits in a row
     probe_share: float = PROBE_SHARE
+    width: int = 1  # the last width chosen on its merits (1: plain)
+    schedules: dict[int, ProbeSchedule] = field(default_factory=dict)
+
+    def schedule(self, costs: CostModel, batch_size: int) -> ProbeSchedule:
+        b = costs.bucket(batch_size)
+        s = self.schedules.get(b)
+        if s is None:
+            s = self.schedules[b] = ProbeSchedule(self.probe_first)
+        return s
 
     def best(self, costs: CostModel, batch_size: int, alphas: Sequence[float], widths: Sequence[int]) -> int:
         """The width of the most expected tokens per second; a speculative width other than the one running must
@@ -230,30 +246,36 @@ class WidthPolicy:
             rates.append((rate if w == 1 or w == self.width else rate / SWITCH_GAIN, -w))
         return -max(rates)[1]  # ties go to the narrower width
 
-    def plain_budget(self) -> int:
-        """Plain steps left before the next probe."""
-        return max(0, self.probe_every - 1 - self.plain_run)
+    def probe(self, costs: CostModel, batch_size: int, widths: Sequence[int]) -> tuple[int, int]:
+        """The next probe's width (the cheapest step that still measures acceptance, by its measured cost: a chained
+        full-width EAGLE step costs less than a narrower unchained one) and the plain steps that must run before
+        it: the bucket's stretch, and enough that the probe costs at most probe_share of them (at a large batch a
+        probe, with the draft_extend over the stretch's rows before it, costs ~10 plain steps)."""
+        w = min((w for w in widths if w > 1), key=lambda w: (costs.step_s(batch_size, w), w))
+        dear = math.ceil(costs.step_s(batch_size, w) / (self.probe_share * costs.step_s(batch_size, 1)))
+        return w, min(max(self.schedule(costs, batch_size).every, dear), self.probe_max)
+
+    def plain_budget(self, costs: CostModel, batch_size: int, widths: Sequence[int]) -> int:
+        """Plain steps left before the next probe at this batch's bucket."""
+        return max(0, self.probe(costs, batch_size, widths)[1] - 1 - self.schedule(costs, batch_size).plain_run)
 
     def choose(self, costs: CostModel, batch_size: int, alphas: Sequence[float], widths: Sequence[int]) -> int:
+        s = self.schedule(costs, batch_size)
         w = self.best(costs, batch_size, alphas, widths)
         self.width = w
         if w > 1 or len(widths) == 1:
-            self.plain_run = 0
-            self.spec_run += 1
-            if self.spec_run >= self.probe_first:  # speculation held: when it stops, probe again soon
-                self.probe_every = self.probe_first
+            s.plain_run = 0
+            s.spec_run += 1
+            if s.spec_run >= self.probe_first:  # speculation held: when it stops, probe again soon
+                s.every = self.probe_first
             return w
-        self.spec_run = 0
-        self.plain_run += 1
-        if self.plain_run < self.probe_every:
+        s.spec_run = 0
+        s.plain_run += 1
+        w, stretch = self.probe(costs, batch_size, widths)
+        if s.plain_run < stretch:
             return 1
-        # the cheapest step that still measures acceptance, by its measured cost: a chained full-width EAGLE step
-        # costs less than a narrower unchained one
-        w = min((w for w in widths if w > 1), key=lambda w: (costs.step_s(batch_size, w), w))
-        # the next stretch: twice this one, and long enough that this probe is at most probe_share of it (at a
-        # large batch a probe, with the draft_extend over the stretch's rows before it, costs ~10 plain steps)
-        dear = costs.step_s(batch_size, w) / (self.probe_share * costs.step_s(batch_size, 1))
-        self.plain_run, self.probe_every = 0, min(max(2 * self.probe_every, math.ceil(dear)), self.probe_max)
+        # the next stretch: twice this one, and long enough that this probe is at most probe_share of it
+        s.plain_run, s.every = 0, min(max(2 * s.every, stretch), self.probe_max)
         return w if self.could_pay(costs, batch_size, w) else 1
 
     @staticmethod
@@ -308,11 +330,11 @@ class AdaptiveSpec:
         prior = self.recent.alpha
         if self.policy.best(self.costs, len(reqs), [stats_of(r, prior).alpha for r in reqs], widths) != 1:
             return 0
-        return self.policy.plain_budget()
+        return self.policy.plain_budget(self.costs, len(reqs), widths)
 
     def ran_plain(self, num_steps: int, batch_size: int, wall_s_per_step: float | None) -> None:
         """A decode window of num_steps plain steps ran (wall_s_per_step: its measured pace, when known)."""
-        self.policy.plain_run += num_steps
+        self.policy.schedule(self.costs, batch_size).plain_run += num_steps
         if wall_s_per_step is not None:
             self.costs.observe(batch_size, 1, wall_s_per_step)
 

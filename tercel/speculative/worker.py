@@ -166,7 +166,7 @@ class SpecWorker:
         # answer stands until the batch changes or the stretch ends in a probe. Plain steps change no acceptance,
         # and weighing every request per window cost ~0.2 ms a step at 256 requests (batch_gaps.py --host-profile)
         if self._plain_grant is not None and same_batch(self._plain_grant, running):
-            return ada.policy.plain_budget()
+            return ada.policy.plain_budget(ada.costs, len(running), self.widths())
         self._plain_grant = None
         for r in running:
             if r.num_computed_tokens != r.num_tokens - 1 or not (self.drafter.ready(r) or ada.has_deferred(r)):
