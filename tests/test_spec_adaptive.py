@@ -198,7 +198,10 @@ def test_measuring_takes_turns_and_caps_noisy_narrow_widths():
     clock = iter(ticks).__next__
     calls = []
     costs = CostModel((1,))
-    costs.measure(1, (1, 2, 4), lambda b, w: calls.append(w), lambda: None, reps=2, clock=clock)
+    built = []
+    costs.measure(1, (1, 2, 4), lambda b, w: built.append(w) or (lambda: calls.append(w)), lambda: None, reps=2,
+                  clock=clock)
+    assert built == [1, 2, 4]  # each width's batch built once, outside the timed forwards
     assert calls == [1, 2, 4] * 3  # a warm-up each, then two rounds taking turns
     # width 1's best (40 ms) was a busy spell: capped at width 2's 19 ms
     assert costs.forward_s == pytest.approx({(1, 1): 0.019, (1, 2): 0.019, (1, 4): 0.030})

@@ -179,22 +179,25 @@ class CostModel:
                                "forward_ms": round(self.forward_s[b, w] * 1e3, 4), "observed": self.observations(b, w)}
         return out
 
-    def measure(self, batch_size: int, widths: Sequence[int], forward: Callable[[int, int], None],
+    def measure(self, batch_size: int, widths: Sequence[int], prepare: Callable[[int, int], Callable[[], None]],
                 sync: Callable[[], None], reps: int = 2, clock: Callable[[], float] = time.perf_counter) -> None:
-        """Time forward(bucket, width) for the widths not known yet at this batch's bucket: a warm-up, then
-        `reps` rounds over the widths in turn, keeping each one's best (other processes only ever add time,
-        and taking turns spreads a busy spell over all widths). A narrower forward never costs more than a
-        wider one: a noisy narrow time is capped at the wider one's."""
+        """Time the forward of each width not known yet at this batch's bucket: prepare(bucket, width) builds its
+        dummy batch once and returns the forward over it, so only the forward is timed (building a dummy batch is
+        no step's cost, and where the policy speculates from the start no real plain step ever corrects it). A
+        warm-up, then `reps` rounds over the widths in turn, keeping each one's best (other processes only ever
+        add time, and taking turns spreads a busy spell over all widths). A narrower forward never costs more than
+        a wider one: a noisy narrow time is capped at the wider one's."""
         b = self.bucket(batch_size)
         todo = sorted(w for w in widths if (b, w) not in self.forward_s)
         best = dict.fromkeys(todo, float("inf"))
+        forwards = {w: prepare(b, w) for w in todo}
         for w in todo:
-            forward(b, w)
+            forwards[w]()
         for _ in range(reps):
             for w in todo:
                 sync()
                 t = clock()
-                forward(b, w)
+                forwards[w]()
                 sync()
                 best[w] = min(best[w], clock() - t)
         self.forward_s.update({(b, w): s for w, s in best.items()})
@@ -311,10 +314,10 @@ class AdaptiveSpec:
     def for_batches(cls, max_num_seqs: int) -> "AdaptiveSpec":
         return cls(CostModel(default_buckets(max_num_seqs)))
 
-    def choose(self, reqs: Sequence[Request], widths: Sequence[int], forward: Callable[[int, int], None],
-               sync: Callable[[], None]) -> int:
+    def choose(self, reqs: Sequence[Request], widths: Sequence[int],
+               prepare: Callable[[int, int], Callable[[], None]], sync: Callable[[], None]) -> int:
         if not self.costs.knows(len(reqs), widths):
-            self.costs.measure(len(reqs), widths, forward, sync)
+            self.costs.measure(len(reqs), widths, prepare, sync)
             # the first step at a bucket runs the full width: the forwards alone miss what drafting costs and
             # the acceptance is a prior, so one real step measures both before the policy weighs them
             return max(widths)

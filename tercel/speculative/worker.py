@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -202,9 +203,9 @@ class SpecWorker:
         if hidden is not None:  # the window's stacked rows are its own tensor (the engine's decode window)
             ada.defer_window(reqs, hidden, self.drafter)
 
-    def _dummy_forward(self, batch_size: int, width: int) -> None:
-        """The forward a step of this width runs, on a dummy batch (every slot in the dummy block 0) whose
-        requests sit 256 tokens in: the cost model's measurement."""
+    def _dummy_forward(self, batch_size: int, width: int) -> Callable[[], None]:
+        """The forward a step of this width runs, over a dummy batch (every slot in the dummy block 0) whose
+        requests sit 256 tokens in, built now: the cost model times only the forward."""
         eng = self.engine
         ctx = max(1, min(256, eng.config.max_model_len - width))
         blocks = [0] * -(-(ctx + width) // eng.kv.block_size)
@@ -214,7 +215,7 @@ class SpecWorker:
         masks = width > 1 and self.drafter.uses_trees
         batch, _ = verify_batch(reqs, trees, None, width, eng.kv.block_size, self.drafter.capture_hidden_mode,
                                 masks, eng.executor.upload, eng.device)
-        self._verify(batch)
+        return lambda: self._verify(batch)
 
     # ---- prefill chunks and undrafted decodes --------------------------------------------
     def _normal_path(self, scheduled: list[ScheduledRequest]) -> list[RequestOutput]:
