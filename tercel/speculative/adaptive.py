@@ -319,8 +319,12 @@ class AdaptiveSpec:
         if not self.costs.knows(len(reqs), widths):
             self.costs.measure(len(reqs), widths, prepare, sync)
             # the first step at a bucket runs the full width: the forwards alone miss what drafting costs and
-            # the acceptance is a prior, so one real step measures both before the policy weighs them
-            return max(widths)
+            # the acceptance is a prior, so one real step measures both before the policy weighs them; unless
+            # its forward alone costs more plain forwards than it could yield at ALPHA_CEILING (an eager tree
+            # past the speculative graphs' largest batch): then the policy decides from the start
+            b, full = self.costs.bucket(len(reqs)), max(widths)
+            if expected_tokens(ALPHA_CEILING, full) * self.costs.forward_s[b, 1] > self.costs.forward_s[b, full]:
+                return full
         prior = self.recent.alpha
         return self.policy.choose(self.costs, len(reqs), [stats_of(r, prior).alpha for r in reqs], widths)
 

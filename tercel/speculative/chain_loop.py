@@ -14,9 +14,11 @@ no logprobs, and 2 W positions of room under max_model_len. A batch with sampled
 sampled chain step (chain.py): every draft and target token drawn with the request's own noise for that
 output token, so a seeded request gets the tokens plain sampling gives it.
 
-With adaptive speculation (adaptive.py) each chained step is timed (the wall time between two reads, one
-step apart once the chain runs) and its acceptance recorded, and before each launch the policy is asked
-again: when it no longer picks the full width, the chain ends and the worker's adaptive steps take over.
+With adaptive speculation (adaptive.py) a chain is costed as a whole: from the engine cycle that started it
+(or the next one, when a prefill shared that cycle) to its end, divided by its steps, so its
+start (the draft_extend before it, staging) and its end (the state copies) count as they do wherever batches
+change often. Each step's acceptance is recorded, and before each launch the policy is asked again: when it no
+longer picks the full width, the chain ends and the worker's adaptive steps take over.
 """
 from __future__ import annotations
 
@@ -57,7 +59,9 @@ class ChainLoop:
         self.sampled = sampled
         self.width = worker.num_draft_tokens
         self.inflight: InflightChain | None = None
-        self._last_read: float | None = None  # when the previous step's tokens were read (adaptive timing)
+        self._timing = False  # adaptive: the in-flight chain is being costed (time_from)
+        self._clock: float | None = None  # when its timed engine cycles began
+        self._steps = 0  # chained steps read since then
         self._stream = torch.cuda.Stream(self.engine.device) if self.engine.device.type == "cuda" else None
 
     def _runner_for(self, reqs: list[Request]) -> CudaGraphRunner | None:
@@ -124,6 +128,11 @@ class ChainLoop:
         out = runner.replay_unstaged(len(w.reqs))
         return None if out is None else self._in_flight(w.reqs, out, lens, runner)
 
+    def time_from(self, start: float | None) -> None:
+        """Cost the chain just started (in flight): from `start` (its engine cycle's beginning), or, None, from
+        the next cycle on (a prefill shared this one)."""
+        self._timing, self._clock, self._steps = True, start, 0
+
     def _widths(self) -> tuple[int, ...]:
         return candidate_widths(self.width, self.worker.drafter.uses_trees)
 
@@ -157,14 +166,20 @@ class ChainLoop:
     def advance(self) -> list[RequestOutput]:
         """Launch the next step (if the batch allows), then read the in-flight one."""
         w, self.inflight = self.inflight, None
+        if self._timing and self._clock is None:
+            self._clock = self.worker.cycle_began
         nxt = self._continue(w)
         self.inflight = nxt
-        outputs = self._collect(w, timed=nxt is not None)
+        outputs = self._collect(w)
         if nxt is None:
             self._end(w)
+            ada = self.worker.adaptive
+            if self._timing and self._steps and ada is not None:
+                ada.costs.observe(len(w.reqs), self.width, (time.perf_counter() - self._clock) / self._steps)
+            self._timing, self._clock = False, None
         return outputs
 
-    def _collect(self, w: InflightChain, timed: bool = False) -> list[RequestOutput]:
+    def _collect(self, w: InflightChain) -> list[RequestOutput]:
         """Append each request's accepted drafts and bonus token with the usual stop checks. A request that
         stopped (or was aborted) before this step is skipped: its tokens here are discarded."""
         stats = self.worker.stats
@@ -175,11 +190,8 @@ class ChainLoop:
             stats.chain_wait_s += time.perf_counter() - t0
         rows = w.host.tolist()  # the step's one device -> host read
         eng, width = self.engine, self.width
-        ada = self.worker.adaptive
-        now = time.perf_counter()
-        if ada is not None and timed and self._last_read is not None:
-            ada.costs.observe(len(w.reqs), width, now - self._last_read)  # steady state: one step per read
-        self._last_read = now if timed else None
+        if self._clock is not None:
+            self._steps += 1
         stats.width_histogram[width] = stats.width_histogram.get(width, 0) + 1
         outputs: list[RequestOutput] = []
         for r, row in zip(w.reqs, rows):

@@ -106,6 +106,11 @@ class SpecWorker:
             self._open_step = None
         self._step_began = now
 
+    @property
+    def cycle_began(self) -> float:
+        """When the engine's current step began (step_began)."""
+        return self._step_began
+
     def step(self, scheduled: list[ScheduledRequest]) -> list[RequestOutput]:
         start = time.perf_counter()
         try:
@@ -147,9 +152,12 @@ class SpecWorker:
         if width > 1:  # the draft state catches up over the plain steps' tokens first
             ada.flush(reqs, self.drafter)
         outputs = self._spec_step(reqs, width)
-        if self.used_chain:  # the chain counts its steps and, while it runs on, times them (chain_loop.py)
+        if self.used_chain:  # a chain left in flight is costed as a whole when it ends (chain_loop.py)
             width = self.num_draft_tokens
-            timed = timed and not self.inflight
+            if self.inflight:
+                if measured:
+                    self.chain.time_from(self._step_began if timed else None)
+                timed = False
         else:  # n-gram: last_width is 1 when no request found a match; the cost is the chosen width's
             self.stats.width_histogram[self.last_width] = self.stats.width_histogram.get(self.last_width, 0) + 1
         if timed and measured and any(r.finish_reason is None for r in reqs):
