@@ -51,8 +51,9 @@ def test_sampling_matches_the_target_distribution(tiny, algo, which):
     n = 20_000
     llm = LLM(str(target), dtype="float32", device="cpu", skip_tokenizer_init=True, progress=False, max_model_len=64,
               max_num_seqs=2048, max_num_batched_tokens=16384, speculative_algorithm=name,
-              speculative_draft_model_path=str(draft), speculative_ddtree_budget=budget)
-    # max_tokens=3: the spec step after the prefill token drafts t2 (and t3), so t2 goes through verify
+              speculative_draft_model_path=str(draft), speculative_ddtree_budget=budget, speculative_adaptive="off")
+    # max_tokens=3: the spec step after the prefill token drafts t2 (and t3), so t2 goes through verify (a fixed
+    # width: adaptive would run 2048 requests' wide verify on this CPU only if it could pay)
     params = [SamplingParams(max_tokens=3, temperature=base.temperature, top_p=base.top_p, top_k=base.top_k,
                              seed=i, ignore_eos=True) for i in range(n)]
     outs = llm.generate([PROMPT] * n, params)
