@@ -7,7 +7,9 @@ decode step, no drafts) that maximises expected tokens per second.
                of real steps' wall time minus that forward, kept apart for speculative and plain steps
   accept stats per request, a decayed count of accepted / offered draft positions: alpha, the chance
                that a draft is accepted given the one before it was (a geometric model)
-  policy       argmax over the candidate widths of sum_r E[accepted + 1 | w, alpha_r] / cost(bucket, w);
+  policy       argmax over the candidate widths of sum_r E[accepted + 1 | w, alpha_r] / cost(bucket, w), each
+               request at its own alpha while others queue for a slot (throughput), else every one at the
+               batch's lowest (no request may lose: an unrefilled batch ends at its slowest member's pace);
                while the answer stays 1 it still probes the cheapest speculative width now and then
                (exponential back-off), so acceptance that was low can recover; never a width whose measured
                cost no acceptance could repay
@@ -142,6 +144,11 @@ class CostModel:
         b = self.bucket(batch_size)
         seen = self.observed_s.get((b, width))
         if seen is not None:
+            if width == 1 and len(self.recent_s[b, 1]) < HOPELESS_AFTER:
+                # a plain pace on one or two windows may carry a flush or a batch change: too dear, it would make
+                # speculation look cheap. Until it rests on more, it is at most the synced forward (an overlapped
+                # window runs no slower than that); a dear speculative sample errs the safe way and stands
+                return min(seen, self.forward_s[b, 1])
             return seen
         return max(1e-9, self.forward_s[b, width] + self.overhead_s.get((b, width > 1), 0.0))
 
@@ -314,8 +321,19 @@ class AdaptiveSpec:
     def for_batches(cls, max_num_seqs: int) -> "AdaptiveSpec":
         return cls(CostModel(default_buckets(max_num_seqs)))
 
+    def alphas(self, reqs: Sequence[Request], queued: bool) -> list[float]:
+        """The acceptance the policy weighs for each request. queued (requests wait for a slot): the batch's
+        throughput decides, each request at its own alpha, since a finished request's slot is refilled at once.
+        Else no request may lose: each is weighed at the lowest alpha among them, because a batch that is not
+        refilled ends at its slowest member's pace (a drafted step costs every row, while the row that accepts
+        least gains least), and a served request's latency is its own."""
+        prior = self.recent.alpha
+        alphas = [stats_of(r, prior).alpha for r in reqs]
+        return alphas if queued or len(alphas) < 2 else [min(alphas)] * len(alphas)
+
     def choose(self, reqs: Sequence[Request], widths: Sequence[int],
-               prepare: Callable[[int, int], Callable[[], None]], sync: Callable[[], None]) -> int:
+               prepare: Callable[[int, int], Callable[[], None]], sync: Callable[[], None],
+               queued: bool = False) -> int:
         if not self.costs.knows(len(reqs), widths):
             self.costs.measure(len(reqs), widths, prepare, sync)
             # the first step at a bucket runs the full width: the forwards alone miss what drafting costs and
@@ -325,17 +343,15 @@ class AdaptiveSpec:
             b, full = self.costs.bucket(len(reqs)), max(widths)
             if expected_tokens(ALPHA_CEILING, full) * self.costs.forward_s[b, 1] > self.costs.forward_s[b, full]:
                 return full
-        prior = self.recent.alpha
-        return self.policy.choose(self.costs, len(reqs), [stats_of(r, prior).alpha for r in reqs], widths)
+        return self.policy.choose(self.costs, len(reqs), self.alphas(reqs, queued), widths)
 
-    def plain_steps(self, reqs: Sequence[Request], widths: Sequence[int]) -> int:
+    def plain_steps(self, reqs: Sequence[Request], widths: Sequence[int], queued: bool = False) -> int:
         """How many plain steps the policy grants these decoding requests now, to run as decode windows at plain
         speed (the engine's multi-step / overlap path); 0: the next step goes through the worker (a speculative
         step, a probe, or a bucket whose costs are not measured yet)."""
         if len(widths) == 1 or not self.costs.knows(len(reqs), widths):
             return 0
-        prior = self.recent.alpha
-        if self.policy.best(self.costs, len(reqs), [stats_of(r, prior).alpha for r in reqs], widths) != 1:
+        if self.policy.best(self.costs, len(reqs), self.alphas(reqs, queued), widths) != 1:
             return 0
         return self.policy.plain_budget(self.costs, len(reqs), widths)
 

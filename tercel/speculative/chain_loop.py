@@ -109,11 +109,8 @@ class ChainLoop:
             return None  # every request ends inside the in-flight step: nothing would use the next
         ada = self.worker.adaptive
         if ada is not None and ada.costs.knows(len(w.reqs), self._widths()):
-            prior = ada.recent.alpha
-            from .adaptive import stats_of
-
-            if ada.policy.choose(ada.costs, len(w.reqs), [stats_of(r, prior).alpha for r in w.reqs],
-                                 self._widths()) != self.width:
+            alphas = ada.alphas(w.reqs, bool(eng.scheduler.waiting))
+            if ada.policy.choose(ada.costs, len(w.reqs), alphas, self._widths()) != self.width:
                 return None  # the policy would verify fewer tokens now: back to the worker's adaptive steps
         if eng.scheduler.schedule_decode_window(self.width, ahead=self.width) is None:
             return None

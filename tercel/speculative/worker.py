@@ -148,7 +148,7 @@ class SpecWorker:
         ada = self.adaptive
         sync = torch.cuda.synchronize if self.engine.device.type == "cuda" else (lambda: None)
         measured = ada.costs.knows(len(reqs), self.widths())  # else this step measures forwards (not timed)
-        width = ada.choose(reqs, self.widths(), self._dummy_forward, sync)
+        width = ada.choose(reqs, self.widths(), self._dummy_forward, sync, bool(self.engine.scheduler.waiting))
         if width > 1:  # the draft state catches up over the plain steps' tokens first
             ada.flush(reqs, self.drafter)
         outputs = self._spec_step(reqs, width)
@@ -180,7 +180,7 @@ class SpecWorker:
         for r in running:
             if r.num_computed_tokens != r.num_tokens - 1 or not (self.drafter.ready(r) or ada.has_deferred(r)):
                 return 0
-        budget = ada.plain_steps(running, self.widths())
+        budget = ada.plain_steps(running, self.widths(), bool(self.engine.scheduler.waiting))
         if budget > 0:
             self._plain_grant = list(running)
         return budget
