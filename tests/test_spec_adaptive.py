@@ -83,7 +83,7 @@ def test_the_batch_is_costed_as_a_whole():
 
 
 def test_plain_steps_probe_with_exponential_back_off():
-    costs = _costs({1: 0.010, 2: 0.030, 4: 0.031, 6: 0.032})
+    costs = _costs({1: 0.010, 2: 0.015, 4: 0.031, 6: 0.032})
     policy = WidthPolicy(probe_first=4, probe_max=16, probe_share=1.0)  # the doubling alone
     picks = [policy.choose(costs, 1, [0.1], WIDTHS) for _ in range(4 + 8 + 16 + 16)]
     probes = [i for i, w in enumerate(picks) if w > 1]
@@ -94,7 +94,7 @@ def test_a_dear_probe_is_a_small_share_of_the_stretches_before_and_after_it():
     """At 256 requests on an H200 a probe (an eager step, the stretch's deferred draft_extend before it) cost about
     ten plain steps, and probes every 32-64 steps took 25% of a pass: the stretches on either side of a probe are
     long enough that it is at most PROBE_SHARE of each."""
-    costs = _costs({1: 0.001, 2: 0.010, 4: 0.012, 6: 0.014})
+    costs = _costs({1: 0.001, 2: 0.0015, 4: 0.0035, 6: 0.0055}, overhead=0.0085)  # the forwards could pay
     policy = WidthPolicy()
     picks = [policy.choose(costs, 256, [0.1], WIDTHS) for _ in range(1200)]
     probes = [i for i, w in enumerate(picks) if w > 1]
@@ -330,7 +330,8 @@ def test_plain_stretches_run_as_decode_windows_and_stay_lossless(smol_llm, promp
     llm = spec_llm(smol_llm, max_num_seqs=len(prompts), num_scheduler_steps=4, **kw)
     ada = llm.engine.spec.adaptive
     widths = llm.engine.spec.widths()
-    ada.costs = CostModel((len(prompts),), {(len(prompts), w): 0.001 if w == 1 else 1.0 for w in widths})
+    # speculation pays only above alpha 0.8, so the prior (0.6) starts plain and the probes could still pay
+    ada.costs = CostModel((len(prompts),), {(len(prompts), w): 0.001 * expected_tokens(0.8, w) for w in widths})
     ada.policy = WidthPolicy(probe_first=5, probe_max=10)
     ada.defer_cap = 6  # some windows fill the buffer and extend the draft mid-stretch
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
@@ -421,6 +422,20 @@ def test_a_width_no_acceptance_could_repay_is_not_probed():
     assert picks == [1] * 16 and policy.schedule(costs, 1).every == 4  # the back-off grows: longer stretches
 
 
+def test_a_width_whose_forward_alone_no_acceptance_could_repay_is_never_probed():
+    """EAGLE-3 tree-16 over 256 requests on an H100 (eager past the speculative graphs' largest batch): one probe,
+    its deferred draft_extend and its eager verify took 60% of a 127-step pass. A width whose measured forward
+    alone costs more plain steps than it could yield at ALPHA_CEILING is not probed, real steps or none."""
+    costs = _costs({1: 0.002, 16: 0.039}, bucket=256)
+    policy = WidthPolicy(probe_first=2, probe_max=4)
+    assert not WidthPolicy.could_pay(costs, 256, 16)
+    assert [policy.choose(costs, 256, [0.0] * 256, (1, 16)) for _ in range(32)] == [1] * 32
+    cheap = _costs({1: 0.002, 16: 0.004}, bucket=256)
+    assert WidthPolicy.could_pay(cheap, 256, 16)
+    policy = WidthPolicy(probe_first=2, probe_max=4)
+    assert 16 in [policy.choose(cheap, 256, [0.0] * 256, (1, 16)) for _ in range(8)]
+
+
 class _RecordingCosts(CostModel):
     def observe(self, batch_size: int, width: int, wall_s: float) -> None:
         self.seen.append((width, wall_s))
@@ -492,7 +507,8 @@ def test_a_plain_stretch_weighs_the_batch_once_not_every_window(smol_llm, prompt
     llm = spec_llm(smol_llm, max_num_seqs=len(prompts), disable_overlap_schedule=False, **kw)
     ada = llm.engine.spec.adaptive
     widths = llm.engine.spec.widths()
-    ada.costs = CostModel((len(prompts),), {(len(prompts), w): 0.001 if w == 1 else 1.0 for w in widths})
+    # speculation pays only above alpha 0.8, so the prior (0.6) starts plain and the probes could still pay
+    ada.costs = CostModel((len(prompts),), {(len(prompts), w): 0.001 * expected_tokens(0.8, w) for w in widths})
     ada.policy = WidthPolicy(probe_first=64, probe_max=64)
     asked = []  # the batch (request ids) each time the policy weighs one for a plain stretch
     weigh = AdaptiveSpec.plain_steps

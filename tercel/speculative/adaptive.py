@@ -257,11 +257,14 @@ class WidthPolicy:
         return -max(rates)[1]  # ties go to the narrower width
 
     def probe(self, costs: CostModel, batch_size: int, widths: Sequence[int]) -> tuple[int, int]:
-        """The next probe's width (the cheapest step that still measures acceptance, by its measured cost: a chained
-        full-width EAGLE step costs less than a narrower unchained one) and the plain steps that must run before
-        it: the bucket's stretch, and enough that the probe costs at most probe_share of them (at a large batch a
-        probe, with the draft_extend over the stretch's rows before it, costs ~10 plain steps)."""
-        w = min((w for w in widths if w > 1), key=lambda w: (costs.step_s(batch_size, w), w))
+        """The next probe's width (of the widths that could pay, the cheapest step that measures acceptance, by its
+        measured cost: a chained full-width EAGLE step costs less than a narrower unchained one) and the plain steps
+        that must run before it: the bucket's stretch, and enough that the probe costs at most probe_share of them
+        (at a large batch a probe, with the draft_extend over the stretch's rows before it, costs ~10 plain
+        steps)."""
+        spec = [w for w in widths if w > 1]
+        payable = [w for w in spec if self.could_pay(costs, batch_size, w)] or spec  # none: choose() stays plain
+        w = min(payable, key=lambda w: (costs.step_s(batch_size, w), w))
         dear = math.ceil(costs.step_s(batch_size, w) / (self.probe_share * costs.step_s(batch_size, 1)))
         return w, min(max(self.schedule(costs, batch_size).every, dear), self.probe_max)
 
@@ -290,12 +293,18 @@ class WidthPolicy:
 
     @staticmethod
     def could_pay(costs: CostModel, batch_size: int, width: int) -> bool:
-        """Could any acceptance make this width pay here? No when, measured over real steps, one of its steps
-        costs more plain steps than it would yield at ALPHA_CEILING (a tree run eagerly at a large batch,
-        say): probing it again would only lose time."""
-        if costs.observations(batch_size, width) < HOPELESS_AFTER:
-            return True
-        return expected_tokens(ALPHA_CEILING, width) * costs.step_s(batch_size, 1) > costs.step_s(batch_size, width)
+        """Could any acceptance make this width pay here? No when one of its steps costs more plain steps than it
+        would yield at ALPHA_CEILING (a tree run eagerly at a large batch, say): probing it again would only lose
+        time. Its cost is the median of its real steps once HOPELESS_AFTER of them ran; before that its measured
+        forward alone, which no step of that width undercuts (a first slow step may be one-off work, but the
+        forward was timed warm)."""
+        if costs.observations(batch_size, width) >= HOPELESS_AFTER:
+            cost = costs.step_s(batch_size, width)
+        else:
+            cost = costs.forward_s.get((costs.bucket(batch_size), width))
+            if cost is None:  # not measured at this bucket yet
+                return True
+        return expected_tokens(ALPHA_CEILING, width) * costs.step_s(batch_size, 1) > cost
 
 
 @dataclass(slots=True)
