@@ -145,30 +145,43 @@ def reference(name: str, names: list[str]) -> str | None:
 
 
 def rounds(llms: dict, convs_by_c: dict, rounds_n: int, tokens_by_c: dict, results: dict, write) -> None:
-    """Each round, at each concurrency, every configuration runs right after a run of its plain reference (the
-    host's speed drifts within seconds: the pair is measured in the same few seconds); a plain configuration
-    that is some configuration's reference is measured by those runs."""
+    """Each round, at each concurrency, every configuration runs between two runs of its plain reference (the
+    host's speed drifts within seconds: the three are measured in the same few seconds) and its ratio is to their
+    geometric mean; the run after one configuration is the run before the next of the same reference. A plain
+    configuration that is some configuration's reference is measured by those runs."""
     names = list(llms)
     refs = {reference(n, names) for n in names} - {None}
     for r in range(rounds_n):
         order = names[r % len(names):] + names[:r % len(names)]  # rotate: no config always runs first
         for c, convs in convs_by_c.items():
+            last: tuple[str, float] | None = None  # (reference, tok/s) of the run just made, if a plain run
+
+            def run_ref(ref: str) -> float:
+                base = run_point(llms[ref], convs, c, tokens_by_c[c], config(ref)[1])
+                results.setdefault(ref, {}).setdefault(str(c), []).append(base)
+                return base["tok_s"]
+
             for name in order:
                 if name in refs:
                     continue
                 _, temp, env = config(name)
                 ref = reference(name, names)
-                paired = None
+                before = after = paired = None
                 if ref is not None:
-                    base = run_point(llms[ref], convs, c, tokens_by_c[c], config(ref)[1])
-                    results.setdefault(ref, {}).setdefault(str(c), []).append(base)
-                    paired = base["tok_s"]
+                    before = last[1] if last is not None and last[0] == ref else run_ref(ref)
                 with switches(env):
                     point = run_point(llms[name], convs, c, tokens_by_c[c], temp)
+                last = None
+                if ref is not None:
+                    after = run_ref(ref)
+                    last = (ref, after)
+                    paired = (before * after) ** 0.5
                 point["paired_plain_tok_s"] = paired
+                point["plain_before_after_tok_s"] = [before, after]
                 results.setdefault(name, {}).setdefault(str(c), []).append(point)
                 print(f"round {r} c={c} {name}: {point['tok_s']:.0f} tok/s"
-                      + (f" ({point['tok_s'] / paired:.3f}x {ref} just before)" if paired else "")
+                      + (f" ({point['tok_s'] / paired:.3f}x {ref} around it: {before:.0f}, {after:.0f})"
+                         if paired else "")
                       + f" accept {point['accept_length']} steps by width {point['steps_by_width']}"
                       + (f" worker {point['worker_steps']} steps {100 * point['worker_share']:.0f}% of the pass"
                          if point["worker_steps"] else "")
@@ -191,7 +204,7 @@ def summarize(results: dict) -> dict:
             row["accept_length"] = round(statistics.median(acc), 3) if acc else None
             for key, base in (("vs_plain", ref), ("vs_plain_greedy", "plain")):
                 if base == ref and points and all(p.get("paired_plain_tok_s") for p in points):
-                    ratios = [p["tok_s"] / p["paired_plain_tok_s"] for p in points]  # its own plain run, just before
+                    ratios = [p["tok_s"] / p["paired_plain_tok_s"] for p in points]  # its own plain runs around it
                 else:
                     bp = results.get(base, {}).get(c, [])
                     if len(bp) == len(points):  # one run per round each: per-round ratios
@@ -235,8 +248,9 @@ def main() -> None:
 
     res = dict(benchmark="spec_rounds", environment=environment(), command=" ".join(["python"] + sys.argv),
                method=f"all configurations loaded in one process; {args.rounds} interleaved rounds (the order rotates "
-                      "each round); in a round each configuration runs right after a run of its plain reference "
-                      "(plain, or plain-t1 at T = 1), its ratio is to that run, and the median over rounds is reported",
+                      "each round); in a round each configuration runs between two runs of its plain reference "
+                      "(plain, or plain-t1 at T = 1), its ratio is to the geometric mean of the two, and the median "
+                      "over rounds is reported",
                copy_bandwidth_bytes_per_s=copy_bandwidth(args.device), results={}, shape_results={})
     out = Path(args.out)
 

@@ -322,3 +322,31 @@ def test_a_benchmark_configuration_carries_its_own_developer_switches(monkeypatc
             assert os.environ["TERCEL_VERIFY_ATTN"] == "rope" and os.environ["TERCEL_SPEC_CHAIN"] == "0"
             raise RuntimeError("a run that fails still restores the environment")
     assert "TERCEL_VERIFY_ATTN" not in os.environ and os.environ["TERCEL_SPEC_CHAIN"] == "1"
+
+
+def test_spec_rounds_runs_each_configuration_between_two_plain_runs(monkeypatch):
+    """benchmarks/spec_rounds.py: the host's speed drifts between passes (plain's own passes spread 1142-1742 tok/s in
+    one H100 call), so each configuration runs between two runs of its plain reference and its ratio is to their
+    geometric mean; the run after one configuration is the run before the next of the same reference."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import spec_rounds
+
+    calls: list[str] = []
+
+    def run_point(llm, convs, c, tokens, temp):
+        calls.append(llm)
+        return dict(tok_s=10.0 * len(calls), accept_length=None, steps_by_width={}, worker_steps=0, worker_share=0.0)
+
+    monkeypatch.setattr(spec_rounds, "run_point", run_point)
+    names = ["plain", "eagle3-chain", "ngram-adaptive", "plain-t1", "eagle3-chain-t1"]
+    results: dict = {}
+    spec_rounds.rounds({n: n for n in names}, {1: [None]}, 1, {1: 8}, results, lambda: None)
+    assert calls == ["plain", "eagle3-chain", "plain", "ngram-adaptive", "plain", "plain-t1", "eagle3-chain-t1",
+                     "plain-t1"]
+    chain, ngram, sampled = (results[n]["1"][0] for n in ("eagle3-chain", "ngram-adaptive", "eagle3-chain-t1"))
+    assert chain["plain_before_after_tok_s"] == [10.0, 30.0] and ngram["plain_before_after_tok_s"] == [30.0, 50.0]
+    assert sampled["plain_before_after_tok_s"] == [60.0, 80.0]
+    assert chain["paired_plain_tok_s"] == pytest.approx((10.0 * 30.0) ** 0.5)
+    table = spec_rounds.summarize(results)
+    assert table["ngram-adaptive"]["1"]["vs_plain"] == pytest.approx(40.0 / (30.0 * 50.0) ** 0.5, abs=1e-3)
+    assert table["eagle3-chain-t1"]["1"]["vs_plain"] == pytest.approx(70.0 / (60.0 * 80.0) ** 0.5, abs=1e-3)
