@@ -106,6 +106,21 @@ def test_a_dear_probe_is_a_small_share_of_the_stretches_before_and_after_it():
     assert [i for i, w in enumerate(picks) if w > 1] == [49, 49 + 64] and cheap.schedule(costs, 1).every == 128
 
 
+def test_a_plain_grant_counts_down_the_stretch_fixed_when_it_was_granted():
+    """A plain stretch is fixed when granted; its windows only count what is left of it (no policy work per
+    window), and a probe's stretch after it is decided afresh."""
+    costs = _costs({1: 0.001, 2: 0.0015, 4: 0.002, 6: 0.0025}, bucket=4)
+    policy = WidthPolicy(probe_first=8, probe_max=64, probe_share=1.0)
+    grant = policy.grant(costs, 4, WIDTHS)
+    assert grant.left() == 7 == policy.plain_budget(costs, 4, WIDTHS)
+    costs.observe(4, 1, 0.0)  # later costs do not move a granted stretch
+    costs.observe(4, 1, 0.1)
+    policy.schedule(costs, 4).plain_run += 5
+    assert grant.left() == 2
+    policy.schedule(costs, 4).plain_run += 5
+    assert grant.left() == 0
+
+
 def test_each_batch_bucket_keeps_its_own_probe_schedule():
     """In the #31 sweep (one engine, batch 1 then 16 and 64 requests) the EAGLE-3 tree held at batch 1, which
     started the back-off over, and the 16- and 64-request batches then probed every 32 steps, each probe a
@@ -226,7 +241,7 @@ def test_with_no_request_queued_no_request_may_lose():
     assert ada.alphas(reqs[:1], queued=False) == alphas[:1]
     assert WidthPolicy().best(ada.costs, 4, ada.alphas(reqs, queued=True), WIDTHS) == 6
     assert WidthPolicy().best(ada.costs, 4, ada.alphas(reqs, queued=False), WIDTHS) == 1
-    assert ada.plain_steps(reqs, WIDTHS, queued=False) > 0 and ada.plain_steps(reqs, WIDTHS, queued=True) == 0
+    assert ada.plain_steps(reqs, WIDTHS, queued=False).left() > 0 and ada.plain_steps(reqs, WIDTHS, queued=True) is None
 
 
 def test_measuring_takes_turns_and_caps_noisy_narrow_widths():

@@ -33,7 +33,7 @@ from ..outputs import RequestOutput
 from ..request import Request
 from ..sampling import greedy_tokens, token_logprobs
 from ..scheduler import ScheduledRequest
-from .adaptive import AdaptiveSpec, candidate_widths
+from .adaptive import AdaptiveSpec, PlainGrant, candidate_widths
 from .batching import VerifyLayout, verify_batch
 from .drafter import DeviceChains, Drafter, ExtendedChunk
 from .host import SpecEngine
@@ -73,7 +73,7 @@ class SpecWorker:
         # caller's loop included, as a plain window's pace is), closed when the next engine step begins
         self._step_began = 0.0
         self._open_step: tuple[int, int, float] | None = None  # (batch size, width, cycle start)
-        self._plain_grant: list[Request] | None = None  # the batch plain_window's answer stands for
+        self._plain_grant: tuple[list[Request], PlainGrant] | None = None  # the batch plain_window's answer is for
 
     @property
     def verify_runners(self) -> dict[int, CudaGraphRunner]:
@@ -174,16 +174,17 @@ class SpecWorker:
         # the same batch as the last windows, which ran plain (so its draft states stay deferred): the policy's
         # answer stands until the batch changes or the stretch ends in a probe. Plain steps change no acceptance,
         # and weighing every request per window cost ~0.2 ms a step at 256 requests (batch_gaps.py --host-profile)
-        if self._plain_grant is not None and same_batch(self._plain_grant, running):
-            return ada.policy.plain_budget(ada.costs, len(running), self.widths())
+        if self._plain_grant is not None and same_batch(self._plain_grant[0], running):
+            return self._plain_grant[1].left()
         self._plain_grant = None
         for r in running:
             if r.num_computed_tokens != r.num_tokens - 1 or not (self.drafter.ready(r) or ada.has_deferred(r)):
                 return 0
-        budget = ada.plain_steps(running, self.widths(), bool(self.engine.scheduler.waiting))
-        if budget > 0:
-            self._plain_grant = list(running)
-        return budget
+        grant = ada.plain_steps(running, self.widths(), bool(self.engine.scheduler.waiting))
+        if grant is None or grant.left() == 0:
+            return 0
+        self._plain_grant = (list(running), grant)
+        return grant.left()
 
     def plain_forward(self, batch: ForwardBatch) -> ModelOutput:
         """One plain decode forward of a window, returning the hidden states the drafter reads (FULL / LAST):
