@@ -282,7 +282,7 @@ class WidthPolicy:
         """Plain steps left before the next probe at this batch's bucket."""
         return self.grant(costs, batch_size, widths).left()
 
-    def grant(self, costs: CostModel, batch_size: int, widths: Sequence[int]) -> "PlainGrant":
+    def grant(self, costs: CostModel, batch_size: int, widths: Sequence[int]) -> PlainGrant:
         """The stretch up to this bucket's next probe, fixed now: while the batch stays the same its plain windows
         ask only how much of it is left (asking probe() again each window cost ~7 µs of Python)."""
         return PlainGrant(self.schedule(costs, batch_size), self.probe(costs, batch_size, widths)[1])
