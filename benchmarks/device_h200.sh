@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 campaign, one device call per step (SmolLM2 travels in parts: ../shared/tools/split-smollm2):
 #   STEP=part N=0|1     copy part N into /tmp/smol (carry .carry/smol-N)
-#   STEP=tests N=2      the last part, reassemble, the GPU suite (carry .carry/smol-2 .carry/whl; HALF=spec|adaptive|graphs)
+#   STEP=tests N=2      the last part, reassemble, the GPU suite (carry .carry/smol-2 .carry/whl; HALF=spec|adaptive|graphs,
+#                       or halves that fit a call: spec-bf16, spec-fp32, graphs-a, graphs-b)
 #   STEP=bench          benchmarks/spec_rounds.py: every configuration in interleaved rounds (EXTRA: more flags)
 #   STEP=bench SHAPE=llama8b SKIP=1 NAME=llama8b   the 8B shape alone (random weights, random EAGLE-3 head)
 #   STEP=profile        benchmarks/step_profile.py: kernels and device µs per step and per phase, every algorithm
@@ -47,8 +48,18 @@ tests)
   GRAPH_TESTS="tests/test_gpu_graphs.py tests/test_gpu_multistep.py tests/test_gpu_fused_decode.py tests/test_kernel_switch.py
     tests/test_gpu_sampling.py tests/test_small_m_gemv.py
     --deselect tests/test_small_m_gemv.py::test_small_m_kernels_and_model_equal_unfused_in_interpreter"
+  # spec and graphs each ran past a call's limit on an H100 (49 tests in ~520 s; 107 in ~540 s): halves that fit,
+  # spec-bf16 + spec-fp32 = spec (by test function) and graphs-a + graphs-b = graphs (by file)
+  S=tests/test_gpu_spec_graphs.py
+  SPEC_BF16="$S::test_graph_mode_equals_eager_mode_bf16 $S::test_switched_kernels_graph_equals_eager_bf16
+    $S::test_every_block_size_and_budget_runs $S::test_batch_shrinks_with_cancellations"
+  SPEC_FP32="$S::test_fp32_speculative_equals_plain $S::test_switched_kernels_fp32_speculative_equals_plain
+    $S::test_fp32_sampled_eagle_chains_run_chained_and_give_the_plain_tokens"
   case "${HALF:-all}" in
     spec) GPU_TESTS=$SPEC_TESTS ;; adaptive) GPU_TESTS=$ADAPTIVE_TESTS ;; graphs) GPU_TESTS=$GRAPH_TESTS ;;
+    spec-bf16) GPU_TESTS=$SPEC_BF16 ;; spec-fp32) GPU_TESTS=$SPEC_FP32 ;;
+    graphs-a) GPU_TESTS="tests/test_gpu_graphs.py tests/test_gpu_multistep.py" ;;
+    graphs-b) GPU_TESTS="${GRAPH_TESTS#*tests/test_gpu_multistep.py}" ;;
     *) GPU_TESTS="$SPEC_TESTS $ADAPTIVE_TESTS $GRAPH_TESTS" ;;
   esac
   timeout ${TEST_S:-560} python3 -m pytest ${PYTEST_FLAGS:--q -rfE} -p no:cacheprovider --timeout 300 ${TESTS:-$GPU_TESTS} 2>&1 \
