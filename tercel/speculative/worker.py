@@ -140,15 +140,23 @@ class SpecWorker:
         return outputs
 
     # ---- adaptive speculation: this step's width, a deferred draft_extend, the step's cost -----
-    def widths(self) -> tuple[int, ...]:
-        return candidate_widths(self.num_draft_tokens, self.drafter.uses_trees)
+    def widths(self, batch_size: int | None = None) -> tuple[int, ...]:
+        """The candidate widths; at batch_size, where its plain step replays a graph, only the widths whose verify
+        does too: an eager speculative step (hundreds of launches) never pays beside a graphed plain step, and
+        probing one cost 20-60% of a 127-step pass at 256 requests on an H100 (past SPEC_GRAPH_MAX_BS)."""
+        widths = candidate_widths(self.num_draft_tokens, self.drafter.uses_trees)
+        if batch_size is None or not _graphed(self.engine.executor.runner(self.plain_kind()), batch_size):
+            return widths
+        ex = self.engine.executor
+        return tuple(w for w in widths if w == 1 or _graphed(ex.runner(verify_key(w)), batch_size))
 
     def _adaptive_step(self, reqs: list[Request], timed: bool = True) -> list[RequestOutput]:
         """timed: a pure decode step (no prefill beside it), whose cycle measures what this width costs."""
         ada = self.adaptive
         sync = torch.cuda.synchronize if self.engine.device.type == "cuda" else (lambda: None)
-        measured = ada.costs.knows(len(reqs), self.widths())  # else this step measures forwards (not timed)
-        width = ada.choose(reqs, self.widths(), self._dummy_forward, sync, bool(self.engine.scheduler.waiting))
+        widths = self.widths(len(reqs))
+        measured = ada.costs.knows(len(reqs), widths)  # else this step measures forwards (not timed)
+        width = ada.choose(reqs, widths, self._dummy_forward, sync, bool(self.engine.scheduler.waiting))
         if width > 1:  # the draft state catches up over the plain steps' tokens first
             ada.flush(reqs, self.drafter)
         outputs = self._spec_step(reqs, width)
@@ -180,7 +188,7 @@ class SpecWorker:
         for r in running:
             if r.num_computed_tokens != r.num_tokens - 1 or not (self.drafter.ready(r) or ada.has_deferred(r)):
                 return 0
-        grant = ada.plain_steps(running, self.widths(), bool(self.engine.scheduler.waiting))
+        grant = ada.plain_steps(running, self.widths(len(running)), bool(self.engine.scheduler.waiting))
         if grant is None or grant.left() == 0:
             return 0
         self._plain_grant = (list(running), grant)
@@ -456,3 +464,11 @@ class SpecWorker:
 
     def free_unused_blocks(self, r: Request) -> None:
         self.engine.kv.free_unused_blocks(r.block_table, r.num_tokens)
+
+
+def _graphed(runner: CudaGraphRunner | None, batch_size: int) -> bool:
+    """Does this step kind replay a captured graph for a batch of batch_size?"""
+    if runner is None:
+        return False
+    bucket = runner.bucket_for(batch_size)
+    return bucket is not None and bucket in runner.graphs
