@@ -226,6 +226,10 @@ class CudaGraphRunner:
         i = bisect.bisect_left(self.buckets, num_requests)
         return self.buckets[i] if i < len(self.buckets) else None
 
+    def serves(self, num_requests: int) -> bool:
+        """Does a batch of num_requests replay a captured graph here (not run eagerly)?"""
+        return self.bucket_for(num_requests) in self.graphs
+
     def _fallback(self, reason: str, batch: ForwardBatch, quiet: bool = False) -> ModelOutput:
         self.stats.eager += 1
         self.stats.fallbacks[reason] += 1

@@ -232,10 +232,6 @@ class PlainGrant:
     def left(self) -> int:
         return max(0, self.stretch - 1 - self.schedule.plain_run)
 
-    def extended(self, steps: int) -> "PlainGrant":
-        """The same schedule with `steps` plain steps left from now."""
-        return PlainGrant(self.schedule, self.schedule.plain_run + 1 + steps)
-
 
 @dataclass(slots=True)
 class WidthPolicy:
@@ -378,7 +374,8 @@ class AdaptiveSpec:
         (the engine's multi-step / overlap path); None: the next step goes through the worker (a speculative step,
         a probe, or a bucket whose costs are not measured yet)."""
         if len(widths) == 1:  # nothing to probe at this batch (no speculative width has a graph here)
-            return PlainGrant(self.policy.schedule(self.costs, len(reqs)), 0).extended(self.policy.probe_max)
+            s = self.policy.schedule(self.costs, len(reqs))
+            return PlainGrant(s, s.plain_run + 1 + self.policy.probe_max)  # probe_max steps left
         if not self.costs.knows(len(reqs), widths):
             return None
         if self.policy.best(self.costs, len(reqs), self.alphas(reqs, queued), widths) != 1:

@@ -70,7 +70,7 @@ class ChainLoop:
     def eligible(self, reqs: list[Request]) -> bool:
         limit = self.engine.config.max_model_len - 2 * self.width
         runner = self._runner_for(reqs)
-        return (runner is not None and runner.bucket_for(len(reqs)) in runner.graphs
+        return (runner is not None and runner.serves(len(reqs))
                 and all(r.params.logprobs is None and context_free(r)
                         and r.num_computed_tokens <= limit and self.worker.drafter.ready(r) for r in reqs))
 

@@ -145,10 +145,11 @@ class SpecWorker:
         does too: an eager speculative step (hundreds of launches) never pays beside a graphed plain step, and
         probing one cost 20-60% of a 127-step pass at 256 requests on an H100 (past SPEC_GRAPH_MAX_BS)."""
         widths = candidate_widths(self.num_draft_tokens, self.drafter.uses_trees)
-        if batch_size is None or not _graphed(self.engine.executor.runner(self.plain_kind()), batch_size):
+        plain = self.engine.executor.runner(self.plain_kind())
+        if batch_size is None or plain is None or not plain.serves(batch_size):
             return widths
-        ex = self.engine.executor
-        return tuple(w for w in widths if w == 1 or _graphed(ex.runner(verify_key(w)), batch_size))
+        runners = self.verify_runners
+        return tuple(w for w in widths if w == 1 or (w in runners and runners[w].serves(batch_size)))
 
     def _adaptive_step(self, reqs: list[Request], timed: bool = True) -> list[RequestOutput]:
         """timed: a pure decode step (no prefill beside it), whose cycle measures what this width costs."""
@@ -464,11 +465,3 @@ class SpecWorker:
 
     def free_unused_blocks(self, r: Request) -> None:
         self.engine.kv.free_unused_blocks(r.block_table, r.num_tokens)
-
-
-def _graphed(runner: CudaGraphRunner | None, batch_size: int) -> bool:
-    """Does this step kind replay a captured graph for a batch of batch_size?"""
-    if runner is None:
-        return False
-    bucket = runner.bucket_for(batch_size)
-    return bucket is not None and bucket in runner.graphs
