@@ -555,3 +555,33 @@ def test_a_plain_stretch_weighs_the_batch_once_not_every_window(smol_llm, prompt
     assert llm.engine.spec_stats().plain_window_steps >= 30  # one-step windows almost throughout
     # once per batch (it changes as prefill chunks join); before, the same batch every ninth window
     assert asked and len(asked) == len(set(asked)), asked
+
+
+def test_the_draft_extend_after_a_plain_stretch_is_not_the_speculative_steps_cost(smol_llm, monkeypatch):
+    """A probe is one speculative step after a plain stretch, and before it the draft catches up over the stretch's
+    tokens (the deferred draft_extend). That catch-up is the switch's cost, once per stretch: counted in the probe's
+    step cost, every probe read a chained step at 2-4x what it costs, and the policy never speculated where it paid.
+    Here a catch-up that takes 0.3 s: no speculative step's measured cost carries it."""
+    llm = spec_llm(smol_llm, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(DEFAULT_EAGLE3_DRAFT),
+                   max_num_seqs=1)
+    ada = llm.engine.spec.adaptive
+    widths = llm.engine.spec.widths()
+    ada.costs = _RecordingCosts((1,), {(1, w): 0.001 for w in widths})
+    ada.costs.seen = []
+    ada.policy = CyclePolicy([1, 1, 1, 6])
+    flushed = []
+    flush = AdaptiveSpec.flush
+
+    def slow_flush(self, reqs, drafter) -> int:
+        rows = flush(self, reqs, drafter)
+        if rows:
+            flushed.append(rows)
+            time.sleep(0.3)
+        return rows
+
+    monkeypatch.setattr(AdaptiveSpec, "flush", slow_flush)
+    prompt = llm.tokenizer.encode("The quick brown fox. " * 6)
+    llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    spec_costs = [s for w, s in ada.costs.seen if w > 1]
+    assert flushed and spec_costs, (flushed, ada.costs.seen)
+    assert max(spec_costs) < 0.3, ada.costs.seen

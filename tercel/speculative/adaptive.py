@@ -470,12 +470,12 @@ class AdaptiveSpec:
         if full:
             self.flush(full, drafter)
 
-    def flush(self, reqs: Sequence[Request], drafter: Drafter) -> None:
-        """One draft_extend (the drafter's after_extend) over every deferred row of these requests."""
+    def flush(self, reqs: Sequence[Request], drafter: Drafter) -> int:
+        """One draft_extend (the drafter's after_extend) over every deferred row of these requests; the rows."""
         self.split_segment()
         pending = [r for r in reqs if self.has_deferred(r)]
         if not pending:
-            return
+            return 0
         chunks, rows, offset = [], [], 0
         for r in pending:
             st = stats_of(r)
@@ -484,3 +484,4 @@ class AdaptiveSpec:
             rows += st.deferred
             st.deferred, st.deferred_rows = [], 0
         drafter.after_extend(chunks, torch.cat(rows))
+        return offset

@@ -159,7 +159,7 @@ class SpecWorker:
         measured = ada.costs.knows(len(reqs), widths)  # else this step measures forwards (not timed)
         width = ada.choose(reqs, widths, self._dummy_forward, sync, bool(self.engine.scheduler.waiting))
         if width > 1:  # the draft state catches up over the plain steps' tokens first
-            ada.flush(reqs, self.drafter)
+            self._flush(reqs, sync)
         outputs = self._spec_step(reqs, width)
         if self.used_chain:  # a chain left in flight is costed as a whole when it ends (chain_loop.py)
             width = self.num_draft_tokens
@@ -172,6 +172,16 @@ class SpecWorker:
         if timed and measured and any(r.finish_reason is None for r in reqs):
             self._open_step = (len(reqs), width, self._step_began)
         return outputs
+
+    def _flush(self, reqs: list[Request], sync: Callable[[], None]) -> None:
+        """The deferred draft_extend before a speculative step, kept out of that step's cost: it is the catch-up of
+        the plain stretch before it, paid once per switch (SWITCH_GAIN), not per step of this width. Counted in, each
+        probe (one step after a stretch) reads several chained steps' cost, and the policy stays off a width that
+        pays. This cycle's clock starts after it."""
+        t = time.perf_counter()
+        if self.adaptive.flush(reqs, self.drafter):
+            sync()  # its device time too: the step's own work queues behind it
+            self._step_began += time.perf_counter() - t
 
     # ---- plain stretches at plain speed: the engine runs them as decode windows ------------------
     def plain_window(self, running: list[Request]) -> int:
