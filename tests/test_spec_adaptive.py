@@ -106,6 +106,18 @@ def test_a_dear_probe_is_a_small_share_of_the_stretches_before_and_after_it():
     assert [i for i, w in enumerate(picks) if w > 1] == [49, 49 + 64] and cheap.schedule(costs, 1).every == 128
 
 
+def test_a_probe_is_spaced_by_the_draft_extend_it_forces_too():
+    """A probe after a plain stretch first runs the stretch's deferred draft_extend, which no step's cost carries (it
+    is the switch's): the stretch before a probe is long enough that the probe and that draft_extend together are at
+    most PROBE_SHARE of it."""
+    costs = _costs({1: 0.001, 2: 0.0015, 4: 0.0016, 6: 0.0017})
+    assert WidthPolicy().probe(costs, 16, WIDTHS) == (2, math.ceil(0.0015 / (PROBE_SHARE * 0.001)))
+    for took in (0.020, 0.001, 0.006):  # the median of the recent ones: 6 ms
+        costs.observe_switch(16, took)
+    assert costs.switch_s(16) == 0.006 and costs.switch_s(1) == 0.006  # one bucket (the synthetic model has one)
+    assert WidthPolicy().probe(costs, 16, WIDTHS) == (2, math.ceil(0.0075 / (PROBE_SHARE * 0.001)))
+
+
 def test_a_plain_grant_counts_down_the_stretch_fixed_when_it_was_granted():
     """A plain stretch is fixed when granted; its windows only count what is left of it (no policy work per
     window), and a probe's stretch after it is decided afresh."""
@@ -585,3 +597,4 @@ def test_the_draft_extend_after_a_plain_stretch_is_not_the_speculative_steps_cos
     spec_costs = [s for w, s in ada.costs.seen if w > 1]
     assert flushed and spec_costs, (flushed, ada.costs.seen)
     assert max(spec_costs) < 0.3, ada.costs.seen
+    assert ada.costs.switch_s(1) >= 0.3  # the switch's own cost, which spaces the probes

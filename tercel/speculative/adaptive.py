@@ -130,6 +130,7 @@ class CostModel:
     observed_s: dict[tuple[int, int], float] = field(default_factory=dict)
     recent_s: dict[tuple[int, int], collections.deque] = field(default_factory=dict)
     warmed: set[tuple[int, int]] = field(default_factory=set)  # (bucket, width) whose first real step is past
+    switches_s: dict[int, collections.deque] = field(default_factory=dict)  # bucket -> recent flushes' seconds
     smoothing: float = 0.25  # weight of the newest step in the overhead's moving average
 
     def bucket(self, batch_size: int) -> int:
@@ -175,6 +176,17 @@ class CostModel:
         recent.append(wall_s)
         self.observed_s[b, width] = statistics.median(recent)
         self._average(self.overhead_s, (b, width > 1), wall_s - self.forward_s[b, width])
+
+    def observe_switch(self, batch_size: int, wall_s: float) -> None:
+        """A switch from plain to speculative steps ran its deferred draft_extend in wall_s: no step's cost (it is
+        paid once per switch), but a probe forces one, so the probe's spacing counts it (switch_s)."""
+        recent = self.switches_s.setdefault(self.bucket(batch_size), collections.deque(maxlen=OBSERVED_WINDOW))
+        recent.append(wall_s)
+
+    def switch_s(self, batch_size: int) -> float:
+        """The median deferred draft_extend before a speculative step at this batch's bucket (0: none seen)."""
+        recent = self.switches_s.get(self.bucket(batch_size))
+        return statistics.median(recent) if recent else 0.0
 
     def snapshot(self) -> dict[str, dict[str, float | int]]:
         """What the policy believes, per "bucket x width": the step time it uses (ms), the dummy forward's (ms)
@@ -269,13 +281,13 @@ class WidthPolicy:
     def probe(self, costs: CostModel, batch_size: int, widths: Sequence[int]) -> tuple[int, int]:
         """The next probe's width (of the widths that could pay, the cheapest step that measures acceptance, by its
         measured cost: a chained full-width EAGLE step costs less than a narrower unchained one) and the plain steps
-        that must run before it: the bucket's stretch, and enough that the probe costs at most probe_share of them
-        (at a large batch a probe, with the draft_extend over the stretch's rows before it, costs ~10 plain
-        steps)."""
+        that must run before it: the bucket's stretch, and enough that the probe, with the deferred draft_extend it
+        forces (CostModel.switch_s), costs at most probe_share of them."""
         spec = [w for w in widths if w > 1]
         payable = [w for w in spec if self.could_pay(costs, batch_size, w)] or spec  # none: choose() stays plain
         w = min(payable, key=lambda w: (costs.step_s(batch_size, w), w))
-        dear = math.ceil(costs.step_s(batch_size, w) / (self.probe_share * costs.step_s(batch_size, 1)))
+        cost = costs.step_s(batch_size, w) + costs.switch_s(batch_size)  # the draft_extend the probe forces too
+        dear = math.ceil(cost / (self.probe_share * costs.step_s(batch_size, 1)))
         return w, min(max(self.schedule(costs, batch_size).every, dear), self.probe_max)
 
     def plain_budget(self, costs: CostModel, batch_size: int, widths: Sequence[int]) -> int:
