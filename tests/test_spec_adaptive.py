@@ -109,13 +109,19 @@ def test_a_dear_probe_is_a_small_share_of_the_stretches_before_and_after_it():
 def test_a_probe_is_spaced_by_the_draft_extend_it_forces_too():
     """A probe after a plain stretch first runs the stretch's deferred draft_extend, which no step's cost carries (it
     is the switch's): the stretch before a probe is long enough that the probe and that draft_extend together are at
-    most PROBE_SHARE of it."""
+    most PROBE_SHARE of it. One tree or DDTree probe at 16-64 requests cost 10-30% of a 127-step pass on an H100."""
     costs = _costs({1: 0.001, 2: 0.0015, 4: 0.0016, 6: 0.0017})
     assert WidthPolicy().probe(costs, 16, WIDTHS) == (2, math.ceil(0.0015 / (PROBE_SHARE * 0.001)))
     for took in (0.020, 0.001, 0.006):  # the median of the recent ones: 6 ms
         costs.observe_switch(16, took)
     assert costs.switch_s(16) == 0.006 and costs.switch_s(1) == 0.006  # one bucket (the synthetic model has one)
     assert WidthPolicy().probe(costs, 16, WIDTHS) == (2, math.ceil(0.0075 / (PROBE_SHARE * 0.001)))
+    # a width's first step is no step cost (one-time work), but until a real one follows it spaces the probes
+    costs.observe(16, 2, 0.0045)
+    assert costs.step_s(16, 2) == 0.0015 and costs.probe_s(16, 2) == 0.0045
+    assert WidthPolicy().probe(costs, 16, WIDTHS) == (2, math.ceil(0.0105 / (PROBE_SHARE * 0.001)))
+    costs.observe(16, 2, 0.002)  # a real step: the width's cost from now on
+    assert costs.probe_s(16, 2) == costs.step_s(16, 2) == 0.002
 
 
 def test_a_plain_grant_counts_down_the_stretch_fixed_when_it_was_granted():
@@ -370,13 +376,14 @@ def test_plain_stretches_run_as_decode_windows_and_stay_lossless(smol_llm, promp
 
 
 def test_switching_under_graphs_replays_every_width(smol_llm, prompts, plain):
-    """CPU breakable-debug graphs: each candidate width has its verify graph, and they all replay."""
+    """CPU breakable-debug graphs: each candidate width has its verify graph, and they all replay (in a batch no
+    chain serves, here one that asks for logprobs: where a chain serves, only plain and the chain are weighed)."""
     llm = spec_llm(smol_llm, cuda_graph_backend="breakable-debug", max_model_len=320, cuda_graph_max_bs=4,
                    speculative_algorithm="EAGLE3", speculative_draft_model_path=str(DEFAULT_EAGLE3_DRAFT))
     spec = llm.engine.spec
     assert sorted(spec.verify_runners) == [1, 2, 4, 6]
     spec.adaptive.policy = CyclePolicy([1, 2, 4, 6, 1])
-    outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1))
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert all(r.stats.replays > 0 and r.stats.eager == 0 for r in spec.verify_runners.values())
 
@@ -598,3 +605,30 @@ def test_the_draft_extend_after_a_plain_stretch_is_not_the_speculative_steps_cos
     assert flushed and spec_costs, (flushed, ada.costs.seen)
     assert max(spec_costs) < 0.3, ada.costs.seen
     assert ada.costs.switch_s(1) >= 0.3  # the switch's own cost, which spaces the probes
+
+
+class _RecordingPolicy(WidthPolicy):
+    def choose(self, costs, batch_size, alphas, widths) -> int:
+        self.seen.add(tuple(widths))
+        return super().choose(costs, batch_size, alphas, widths)
+
+
+def test_where_a_chain_serves_the_batch_only_plain_or_the_chain_is_weighed(smol_llm):
+    """A width narrower than the chained EAGLE step runs unchained (separate draft, verify and extend, a host sync):
+    on an H100 it cost more than the chained full width at every batch measured (5x at T = 1 and one request), so
+    where a chain serves the batch the policy weighs only plain and the chain; a batch no chain serves (here:
+    logprobs asked) keeps every width."""
+    llm = spec_llm(smol_llm, cuda_graph_backend="breakable-debug", max_model_len=320, cuda_graph_max_bs=4,
+                   disable_overlap_schedule=False, speculative_algorithm="EAGLE3",
+                   speculative_draft_model_path=str(DEFAULT_EAGLE3_DRAFT))
+    spec = llm.engine.spec
+    assert spec.chain is not None
+    full = spec.num_draft_tokens
+    prompt = llm.tokenizer.encode("The quick brown fox. " * 6)
+    for params, want in ((SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), {(1, full)}),
+                         (SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1),
+                          {candidate_widths(full, False)})):
+        spec.adaptive.policy = _RecordingPolicy()
+        spec.adaptive.policy.seen = set()
+        llm.generate([prompt], params)
+        assert spec.adaptive.policy.seen == want, (params, spec.adaptive.policy.seen)

@@ -131,6 +131,7 @@ class CostModel:
     recent_s: dict[tuple[int, int], collections.deque] = field(default_factory=dict)
     warmed: set[tuple[int, int]] = field(default_factory=set)  # (bucket, width) whose first real step is past
     switches_s: dict[int, collections.deque] = field(default_factory=dict)  # bucket -> recent flushes' seconds
+    first_s: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, width) -> its first step's wall
     smoothing: float = 0.25  # weight of the newest step in the overhead's moving average
 
     def bucket(self, batch_size: int) -> int:
@@ -171,11 +172,21 @@ class CostModel:
             return
         if (b, width) not in self.warmed:
             self.warmed.add((b, width))
+            self.first_s[b, width] = wall_s
             return
         recent = self.recent_s.setdefault((b, width), collections.deque(maxlen=OBSERVED_WINDOW))
         recent.append(wall_s)
         self.observed_s[b, width] = statistics.median(recent)
         self._average(self.overhead_s, (b, width > 1), wall_s - self.forward_s[b, width])
+
+    def probe_s(self, batch_size: int, width: int) -> float:
+        """What a probe of this width is taken to cost when spacing probes: step_s, or, before any real step but
+        the first, at least that first one (it may carry one-time work, so it is no step cost, but a width whose
+        first step was dear is probed again only after a stretch that pays for it)."""
+        cost = self.step_s(batch_size, width)
+        if self.observations(batch_size, width) == 0:
+            cost = max(cost, self.first_s.get((self.bucket(batch_size), width), 0.0))
+        return cost
 
     def observe_switch(self, batch_size: int, wall_s: float) -> None:
         """A switch from plain to speculative steps ran its deferred draft_extend in wall_s: no step's cost (it is
@@ -281,12 +292,12 @@ class WidthPolicy:
     def probe(self, costs: CostModel, batch_size: int, widths: Sequence[int]) -> tuple[int, int]:
         """The next probe's width (of the widths that could pay, the cheapest step that measures acceptance, by its
         measured cost: a chained full-width EAGLE step costs less than a narrower unchained one) and the plain steps
-        that must run before it: the bucket's stretch, and enough that the probe, with the deferred draft_extend it
-        forces (CostModel.switch_s), costs at most probe_share of them."""
+        that must run before it: the bucket's stretch, and enough that the probe (CostModel.probe_s), with the
+        deferred draft_extend it forces (CostModel.switch_s), costs at most probe_share of them."""
         spec = [w for w in widths if w > 1]
         payable = [w for w in spec if self.could_pay(costs, batch_size, w)] or spec  # none: choose() stays plain
         w = min(payable, key=lambda w: (costs.step_s(batch_size, w), w))
-        cost = costs.step_s(batch_size, w) + costs.switch_s(batch_size)  # the draft_extend the probe forces too
+        cost = costs.probe_s(batch_size, w) + costs.switch_s(batch_size)  # the draft_extend the probe forces too
         dear = math.ceil(cost / (self.probe_share * costs.step_s(batch_size, 1)))
         return w, min(max(self.schedule(costs, batch_size).every, dear), self.probe_max)
 

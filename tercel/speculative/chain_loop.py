@@ -33,7 +33,6 @@ from ..executor import CHAIN, CHAIN_SAMPLED
 from ..graphs.runner import CudaGraphRunner
 from ..outputs import RequestOutput
 from ..request import Request
-from .adaptive import candidate_widths
 from .chain import ChainOutputs, ChainSampling
 from .host import ChainHost
 from .verify import context_free
@@ -67,12 +66,15 @@ class ChainLoop:
     def _runner_for(self, reqs: list[Request]) -> CudaGraphRunner | None:
         return self.runner if all(r.params.greedy for r in reqs) else self.sampled
 
-    def eligible(self, reqs: list[Request]) -> bool:
+    def serves(self, reqs: list[Request]) -> bool:
+        """Could a chain run these requests once their draft states are in step (deferred rows extended)?"""
         limit = self.engine.config.max_model_len - 2 * self.width
         runner = self._runner_for(reqs)
         return (runner is not None and runner.serves(len(reqs))
-                and all(r.params.logprobs is None and context_free(r)
-                        and r.num_computed_tokens <= limit and self.worker.drafter.ready(r) for r in reqs))
+                and all(r.params.logprobs is None and context_free(r) and r.num_computed_tokens <= limit for r in reqs))
+
+    def eligible(self, reqs: list[Request]) -> bool:
+        return self.serves(reqs) and all(self.worker.drafter.ready(r) for r in reqs)
 
     # ---- launch ----------------------------------------------------------------------------
     def start(self, reqs: list[Request]) -> list[RequestOutput]:
@@ -131,7 +133,7 @@ class ChainLoop:
         self._timing, self._clock, self._steps = True, start, 0
 
     def _widths(self) -> tuple[int, ...]:
-        return candidate_widths(self.width, self.worker.drafter.uses_trees)
+        return (1, self.width)  # where a chain runs, only plain or the chain (SpecWorker.widths)
 
     def _sampling(self, reqs: list[Request]) -> ChainSampling:
         """The requests' sampling settings and draw counts on the device (greedy rows: sampled = 0)."""

@@ -140,11 +140,16 @@ class SpecWorker:
         return outputs
 
     # ---- adaptive speculation: this step's width, a deferred draft_extend, the step's cost -----
-    def widths(self, batch_size: int | None = None) -> tuple[int, ...]:
+    def widths(self, batch_size: int | None = None, reqs: list[Request] | None = None) -> tuple[int, ...]:
         """The candidate widths; at batch_size, where its plain step replays a graph, only the widths whose verify
         does too: an eager speculative step (hundreds of launches) never pays beside a graphed plain step, and
-        probing one cost 20-60% of a 127-step pass at 256 requests on an H100 (past SPEC_GRAPH_MAX_BS)."""
+        probing one cost a good share of a pass (past SPEC_GRAPH_MAX_BS). Where a chain serves the requests (reqs),
+        plain or the full width: a narrower width runs unchained (separate draft, verify and extend, a host sync) and
+        cost more than the chained full width at every batch measured (docs/adaptive.md), so probing it only lost
+        time."""
         widths = candidate_widths(self.num_draft_tokens, self.drafter.uses_trees)
+        if reqs is not None and self.chain is not None and self.chain.serves(reqs):
+            widths = (1, self.num_draft_tokens)
         plain = self.engine.executor.runner(self.plain_kind())
         if batch_size is None or plain is None or not plain.serves(batch_size):
             return widths
@@ -155,7 +160,7 @@ class SpecWorker:
         """timed: a pure decode step (no prefill beside it), whose cycle measures what this width costs."""
         ada = self.adaptive
         sync = torch.cuda.synchronize if self.engine.device.type == "cuda" else (lambda: None)
-        widths = self.widths(len(reqs))
+        widths = self.widths(len(reqs), reqs)
         measured = ada.costs.knows(len(reqs), widths)  # else this step measures forwards (not timed)
         width = ada.choose(reqs, widths, self._dummy_forward, sync, bool(self.engine.scheduler.waiting))
         if width > 1:  # the draft state catches up over the plain steps' tokens first
@@ -202,7 +207,7 @@ class SpecWorker:
         for r in running:
             if r.num_computed_tokens != r.num_tokens - 1 or not (self.drafter.ready(r) or ada.has_deferred(r)):
                 return 0
-        grant = ada.plain_steps(running, self.widths(len(running)), bool(self.engine.scheduler.waiting))
+        grant = ada.plain_steps(running, self.widths(len(running), running), bool(self.engine.scheduler.waiting))
         if grant is None or grant.left() == 0:
             return 0
         self._plain_grant = (list(running), grant)
