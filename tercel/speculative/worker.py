@@ -181,9 +181,8 @@ class SpecWorker:
     def _flush(self, reqs: list[Request], sync: Callable[[], None]) -> None:
         """The deferred draft_extend before a speculative step, kept out of that step's cost: it is the catch-up of
         the plain stretch before it, paid once per switch (SWITCH_GAIN; a probe's spacing counts it), not per step of
-        this width. Counted in, each
-        probe (one step after a stretch) reads several chained steps' cost, and the policy stays off a width that
-        pays. This cycle's clock starts after it."""
+        this width. Counted in, each probe (one step after a stretch) reads several chained steps' cost, and the
+        policy stays off a width that pays. This cycle's clock starts after it."""
         t = time.perf_counter()
         if self.adaptive.flush(reqs, self.drafter):
             sync()  # its device time too: the step's own work queues behind it
