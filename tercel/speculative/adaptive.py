@@ -129,9 +129,9 @@ class CostModel:
     overhead_s: dict[tuple[int, bool], float] = field(default_factory=dict)
     observed_s: dict[tuple[int, int], float] = field(default_factory=dict)
     recent_s: dict[tuple[int, int], collections.deque] = field(default_factory=dict)
-    warmed: set[tuple[int, int]] = field(default_factory=set)  # (bucket, width) whose first real step is past
+    # (bucket, width) -> its first real step's wall: past that step, later ones are its cost (observe)
+    first_s: dict[tuple[int, int], float] = field(default_factory=dict)
     switches_s: dict[int, collections.deque] = field(default_factory=dict)  # bucket -> recent flushes' seconds
-    first_s: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, width) -> its first step's wall
     smoothing: float = 0.25  # weight of the newest step in the overhead's moving average
 
     def bucket(self, batch_size: int) -> int:
@@ -170,8 +170,7 @@ class CostModel:
         b = self.bucket(batch_size)
         if (b, width) not in self.forward_s:
             return
-        if (b, width) not in self.warmed:
-            self.warmed.add((b, width))
+        if (b, width) not in self.first_s:
             self.first_s[b, width] = wall_s
             return
         recent = self.recent_s.setdefault((b, width), collections.deque(maxlen=OBSERVED_WINDOW))
