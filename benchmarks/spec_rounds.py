@@ -79,12 +79,12 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _spec_counts(llm) -> tuple[int, int, int, int, float, dict]:
+def _spec_counts(llm) -> tuple:
     s = llm.engine.spec_stats()
     if s is None:
-        return 0, 0, 0, 0, 0.0, {}, 0, 0.0
+        return 0, 0, 0, 0, 0.0, {}, 0, 0.0, 0, 0.0
     return (s.verify_steps, s.accepted_tokens, s.plain_window_steps, s.chain_reads, s.chain_wait_s,
-            dict(s.width_histogram), s.worker_steps, s.worker_step_s)
+            dict(s.width_histogram), s.worker_steps, s.worker_step_s, s.flushes, s.flush_s)
 
 
 def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
@@ -107,6 +107,7 @@ def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
     steps, acc, plain_w, reads, wait = (a - b for a, b in zip(after[:5], before[:5]))
     widths = {w: n - before[5].get(w, 0) for w, n in after[5].items() if n != before[5].get(w, 0)}
     worker_steps, worker_s = after[6] - before[6], after[7] - before[7]
+    flushes, flush_s = after[8] - before[8], after[9] - before[9]
     ada = getattr(llm.engine.spec, "adaptive", None)
     # the host's wait at each chained read: near a step's device time when the device sets the pace, near 0
     # when the host does
@@ -116,6 +117,8 @@ def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
                 chain_wait_us_per_read=1e6 * wait / reads if reads else None,
                 # the worker's steps (speculative, probes, a batch's first decode, prefill): their share of the pass
                 worker_steps=worker_steps, worker_share=round(worker_s / wall, 4),
+                # the deferred draft_extends before speculative steps (inside the worker steps): their share
+                flushes=flushes, flush_share=round(flush_s / wall, 4),
                 cost_model=ada.costs.snapshot() if ada is not None else None)
 
 

@@ -21,6 +21,9 @@ class SpecStats:
     # the host's wall time inside them, draft_extend and reads included: what leaving the plain windows costs
     worker_steps: int = 0
     worker_step_s: float = 0.0
+    # adaptive: deferred draft_extends run before a speculative step (the switch from plain) and their synced wall
+    flushes: int = 0
+    flush_s: float = 0.0
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.verify_steps += 1
