@@ -66,6 +66,10 @@ OVERRIDES: dict[str, EnvOverride] = {
     "TERCEL_SPEC_CHAIN": EnvOverride(
         "1", "0: greedy EAGLE chains run as separate draft / verify / extend graphs instead of one chained "
              "graph step (side-by-side measurements)"),
+    "TERCEL_ADAPTIVE_BATCH_ALPHA": EnvOverride(
+        "min", "adaptive speculation with no request queued: min (every request at the batch's lowest alpha, a new "
+               "batch's unverified requests at the floor its size showed), mean (each at its own, as when requests "
+               "queue; side-by-side measurements of the two rules)"),
     "TERCEL_CPU_FUSED": EnvOverride(
         "1", "0: CPU decode / verify steps run the eager layer loop instead of one C++ call per decoder layer "
              "(tercel/models/cpu_fused.py; by default a model on the Q4 x Q8 kernel takes them); fp32: an fp32 "

@@ -262,6 +262,62 @@ def test_with_no_request_queued_no_request_may_lose():
     assert ada.plain_steps(reqs, WIDTHS, queued=False).left() > 0 and ada.plain_steps(reqs, WIDTHS, queued=True) is None
 
 
+def test_a_new_batch_is_weighed_at_the_lowest_acceptance_batches_of_its_size_showed():
+    """Requests not verified yet carry the prior (the recent mean): a batch of them speculated on it at every
+    pass's start, and the first verify found its slowest member below the mean. SmolLM2 on an H200 at 16 / 64
+    requests: passes whose only worker step was the prefill read 0.97-0.99x plain, those with 1-3 more
+    speculative steps 0.83-0.94x. Once a batch of a size was verified whole, a new batch of that size is weighed
+    at that batch's lowest alpha (a moving average over such batches); a single request keeps the prior."""
+    costs = _costs({1: 0.001, 2: 0.0013, 4: 0.0014, 6: 0.0016}, bucket=4)
+    ada = AdaptiveSpec(costs)
+    for _ in range(20):  # the recent mean: 0.8
+        ada.recent.record(5, 4, decay=0.95)
+    fresh = [Request(f"new{i}", None, [0], None, None, None) for i in range(4)]
+    assert ada.alphas(fresh, queued=False) == [pytest.approx(ada.recent.alpha)] * 4  # no batch of 4 seen: the prior
+    assert ada.plain_steps(fresh, WIDTHS) is None  # ... on which it speculates
+    old = [Request(f"r{i}", None, [0], None, None, None) for i in range(4)]
+    for r, accepted in zip(old, (4, 4, 4, 0)):
+        for _ in range(3):
+            stats = ada.recent.accepted, ada.recent.offered
+            ada.record(r, 5, accepted)
+            ada.recent.accepted, ada.recent.offered = stats  # keep the prior where it was
+    low = min(ada.alphas(old, queued=False))
+    assert low < 0.3 and ada.floors[4] == pytest.approx(low)
+    fresh = [Request(f"next{i}", None, [0], None, None, None) for i in range(4)]
+    assert ada.alphas(fresh, queued=False) == [pytest.approx(low)] * 4
+    assert ada.plain_steps(fresh, WIDTHS).left() > 0  # plain until a probe measures this batch
+    assert ada.alphas(fresh, queued=True) == [pytest.approx(ada.recent.alpha)] * 4  # throughput: each its own
+    assert ada.alphas(fresh[:1], queued=False) == [pytest.approx(ada.recent.alpha)]
+    ada.record(fresh[0], 5, 5)  # a verified member's alpha stands beside the floor for the others
+    assert ada.alphas(fresh, queued=False) == [pytest.approx(low)] * 4
+    ada.lowest = False  # TERCEL_ADAPTIVE_BATCH_ALPHA=mean: each at its own, as when requests queue
+    assert ada.alphas(old, queued=False) == ada.alphas(old, queued=True)
+    assert max(ada.alphas(old, queued=False)) > 0.7
+
+
+def test_the_batch_alpha_rule_switch(monkeypatch):
+    monkeypatch.setenv("TERCEL_ADAPTIVE_BATCH_ALPHA", "mean")
+    assert not AdaptiveSpec.for_batches(8).lowest
+    monkeypatch.setenv("TERCEL_ADAPTIVE_BATCH_ALPHA", "lowest")
+    with pytest.raises(ConfigError, match="TERCEL_ADAPTIVE_BATCH_ALPHA='lowest' must be min or mean"):
+        AdaptiveSpec.for_batches(8)
+    monkeypatch.delenv("TERCEL_ADAPTIVE_BATCH_ALPHA")
+    assert AdaptiveSpec.for_batches(8).lowest
+
+
+def test_small_batches_defer_their_draft_extend_longer():
+    """Each plain stretch of a drafter that reads hidden states ran a draft_extend every 128 rows, also at one
+    request, where a 192-token answer finished with its rows never needed: the cap is a whole-batch budget
+    (DEFER_ROWS) spread over the requests, between DEFER_FLOOR and DEFER_CAP each."""
+    from tercel.speculative.adaptive import DEFER_CAP, DEFER_FLOOR, DEFER_ROWS
+    ada = AdaptiveSpec(_costs({1: 0.001}))
+    assert ada.defer_limit(1) == ada.defer_limit(16) == DEFER_CAP
+    assert ada.defer_limit(128) == DEFER_ROWS // 128 and ada.defer_limit(256) == DEFER_FLOOR
+    assert ada.defer_limit(256) * 256 <= DEFER_ROWS
+    ada.defer_cap = 3
+    assert ada.defer_limit(1) == 3
+
+
 def test_measuring_takes_turns_and_caps_noisy_narrow_widths():
     durations = [0.050, 0.020, 0.030, 0.040, 0.019, 0.031]  # widths 1, 2, 4 in turn, two rounds
     ticks = [t for i in range(len(durations)) for t in (sum(durations[:i]), sum(durations[:i + 1]))]

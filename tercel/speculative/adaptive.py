@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..batching import same_batch
+from ..dev_overrides import env
 from ..options import ConfigError
 from ..request import Request
 from .drafter import Drafter, ExtendedChunk
@@ -42,11 +43,17 @@ from .drafter import Drafter, ExtendedChunk
 PRIOR_ALPHA = 0.6  # the first requests' acceptance guess; later ones start from the recent requests' average
 PRIOR_WEIGHT = 2.0  # worth two observed positions, so real verifies take over at once
 DECAY = 0.8  # per verify: the stats follow the text as it changes (code, prose, a repeated list)
-DEFER_CAP = 128  # deferred hidden rows per request before a draft_extend runs anyway (bounds memory)
+# deferred hidden rows per request before a draft_extend runs anyway: DEFER_ROWS over the batch (bounds memory), at
+# least DEFER_FLOOR and at most DEFER_CAP per request (bounds the eager draft_extend). A request that finishes inside
+# its plain stretch never pays for its rows, so at small batches the catch-up runs only when speculation resumes
+DEFER_ROWS = 32768
+DEFER_FLOOR = 128
+DEFER_CAP = 512
 OBSERVED_WINDOW = 9  # a width's step cost is the median of its last this many real steps (host noise)
 ALPHA_CEILING = 0.9  # a probe is skipped where even this acceptance would not pay for the width's measured cost
 HOPELESS_AFTER = 3  # ... once that cost rests on this many real steps
 SWITCH_GAIN = 1.05  # from plain, speculation must promise this much more (a switch costs a draft_extend)
+FLOOR_SMOOTHING = 0.25  # weight of the newest batch in AdaptiveSpec.floors
 PROBE_SHARE = 0.03  # a probe may cost at most this share of the plain stretch after it (by the measured costs)
 
 
@@ -83,6 +90,7 @@ class RequestAcceptStats:
     deferred: list[torch.Tensor] = field(default_factory=list)  # [n, H] chunks, positions deferred_start ..
     deferred_start: int = 0
     deferred_rows: int = 0
+    verifies: int = 0  # verifies recorded (0: the alpha is the prior)
 
     @property
     def alpha(self) -> float:
@@ -94,6 +102,7 @@ class RequestAcceptStats:
         if drafts <= 0:
             return
         tried = accepted + (1 if accepted < drafts else 0)
+        self.verifies += 1
         self.accepted = decay * self.accepted + accepted
         self.offered = decay * self.offered + tried
 
@@ -359,23 +368,43 @@ class AdaptiveSpec:
     costs: CostModel
     policy: WidthPolicy = field(default_factory=WidthPolicy)
     defer_cap: int = DEFER_CAP
+    defer_rows: int = DEFER_ROWS
     # every request's verifies, decayed slowly: a new request's prior (the same text source, likely)
     recent: RequestAcceptStats = field(default_factory=RequestAcceptStats)
     segment: _Segment | None = None  # the plain windows' rows not split per request yet (defer_window)
+    # bucket -> the lowest alpha of a batch whose requests were all verified (a moving average): what a batch of
+    # requests not verified yet is weighed at, since the lowest of several unknown alphas sits well below their mean
+    floors: dict[int, float] = field(default_factory=dict)
+    lowest: bool = True  # with nothing queued, weigh the batch at its lowest alpha (TERCEL_ADAPTIVE_BATCH_ALPHA)
 
     @classmethod
     def for_batches(cls, max_num_seqs: int) -> "AdaptiveSpec":
-        return cls(CostModel(default_buckets(max_num_seqs)))
+        rule = env("TERCEL_ADAPTIVE_BATCH_ALPHA")
+        if rule not in ("min", "mean"):
+            raise ConfigError(f"TERCEL_ADAPTIVE_BATCH_ALPHA={rule!r} must be min or mean (unset: min)")
+        return cls(CostModel(default_buckets(max_num_seqs)), lowest=rule == "min")
 
     def alphas(self, reqs: Sequence[Request], queued: bool) -> list[float]:
         """The acceptance the policy weighs for each request. queued (requests wait for a slot): the batch's
         throughput decides, each request at its own alpha, since a finished request's slot is refilled at once.
         Else no request may lose: each is weighed at the lowest alpha among them, because a batch that is not
         refilled ends at its slowest member's pace (a drafted step costs every row, while the row that accepts
-        least gains least), and a served request's latency is its own."""
+        least gains least), and a served request's latency is its own. Requests not verified yet count at the
+        lowest alpha that the last fully verified batches of this size showed (floors), not at the prior."""
         prior = self.recent.alpha
-        alphas = [stats_of(r, prior).alpha for r in reqs]
-        return alphas if queued or len(alphas) < 2 else [min(alphas)] * len(alphas)
+        stats = [stats_of(r, prior) for r in reqs]
+        alphas = [st.alpha for st in stats]
+        if queued or len(alphas) < 2 or not self.lowest:
+            return alphas
+        b = self.costs.bucket(len(reqs))
+        known = [a for st, a in zip(stats, alphas) if st.verifies]
+        if len(known) == len(alphas):
+            low = min(known)
+            old = self.floors.get(b)
+            self.floors[b] = low if old is None else old + FLOOR_SMOOTHING * (low - old)
+        else:  # requests not verified yet: each could be the batch's slowest
+            low = min(known + [min(prior, self.floors.get(b, prior))])
+        return [low] * len(alphas)
 
     def choose(self, reqs: Sequence[Request], widths: Sequence[int],
                prepare: Callable[[int, int], Callable[[], None]], sync: Callable[[], None],
@@ -452,8 +481,12 @@ class AdaptiveSpec:
             seg = self.segment = _Segment(list(reqs), {id(r): i for i, r in enumerate(reqs)})
         seg.parts.append(hidden)
         seg.rows += hidden.shape[0]
-        if seg.rows >= self.defer_cap:
+        if seg.rows >= self.defer_limit(len(seg.reqs)):
             self.flush([r for r in seg.reqs if r.finish_reason is None], drafter)
+
+    def defer_limit(self, batch_size: int) -> int:
+        """Deferred rows a request of a batch this size keeps before its draft_extend runs anyway."""
+        return min(self.defer_cap, max(DEFER_FLOOR, self.defer_rows // max(1, batch_size)))
 
     def split_segment(self) -> None:
         """Move the kept windows' rows onto their requests' deferred buffers (views of one tensor)."""
@@ -487,7 +520,7 @@ class AdaptiveSpec:
                 st.deferred_rows = 0
             st.deferred.append(chunk if owned else chunk.clone())
             st.deferred_rows += chunk.shape[0]
-            if st.deferred_rows >= self.defer_cap:
+            if st.deferred_rows >= self.defer_limit(len(reqs)):
                 full.append(r)
         if full:
             self.flush(full, drafter)

@@ -188,6 +188,8 @@ class SpecWorker:
             sync()  # its device time too: the step's own work queues behind it
             took = time.perf_counter() - t
             self._step_began += took
+            self.stats.flushes += 1
+            self.stats.flush_s += took
             self.adaptive.costs.observe_switch(len(reqs), took)
 
     # ---- plain stretches at plain speed: the engine runs them as decode windows ------------------
