@@ -512,7 +512,7 @@ class AdaptiveSpec:
         len(chunk) positions (cloned: graph outputs are overwritten by the next replay; owned: views of a
         tensor nothing else writes, kept as they are, so a window of B requests launches no B copies)."""
         self.split_segment()  # rows in position order
-        full = []
+        full, limit = [], self.defer_limit(len(reqs))
         for r, chunk in zip(reqs, chunks):
             st = stats_of(r)
             if not st.deferred:
@@ -520,7 +520,7 @@ class AdaptiveSpec:
                 st.deferred_rows = 0
             st.deferred.append(chunk if owned else chunk.clone())
             st.deferred_rows += chunk.shape[0]
-            if st.deferred_rows >= self.defer_limit(len(reqs)):
+            if st.deferred_rows >= limit:
                 full.append(r)
         if full:
             self.flush(full, drafter)
