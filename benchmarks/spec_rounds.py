@@ -96,11 +96,16 @@ def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
     before = _spec_counts(llm)
     _sync()
     t0 = time.perf_counter()
-    n = 0
+    n, ttft, decode = 0, [], []
     for start in range(0, len(convs), c):
         batch = convs[start:start + c]
         outs = llm.chat(batch, params[:len(batch)])
         n += sum(len(o.outputs[0].token_ids) for o in outs)
+        for o in outs:  # a request's time to its first token (prefill), then its steady decode pace
+            m = o.metrics
+            ttft.append(m.time_to_first_token or 0.0)
+            if m.decode_tokens_per_s:
+                decode.append(1.0 / m.decode_tokens_per_s)
     _sync()
     wall = time.perf_counter() - t0
     after = _spec_counts(llm)
@@ -119,6 +124,9 @@ def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
                 worker_steps=worker_steps, worker_share=round(worker_s / wall, 4),
                 # the deferred draft_extends before speculative steps (inside the worker steps): their share
                 flushes=flushes, flush_share=round(flush_s / wall, 4),
+                # per request: mean time to the first token (prefill, with the drafter's), mean µs per later token
+                ttft_ms=round(1e3 * sum(ttft) / len(ttft), 3) if ttft else None,
+                decode_us_per_token=round(1e6 * sum(decode) / len(decode), 1) if decode else None,
                 cost_model=ada.costs.snapshot() if ada is not None else None)
 
 
@@ -188,6 +196,8 @@ def rounds(llms: dict, convs_by_c: dict, rounds_n: int, tokens_by_c: dict, resul
                       + f" accept {point['accept_length']} steps by width {point['steps_by_width']}"
                       + (f" worker {point['worker_steps']} steps {100 * point['worker_share']:.0f}% of the pass"
                          if point["worker_steps"] else "")
+                      + (f" ttft {point['ttft_ms']:.2f} ms, decode {point['decode_us_per_token']:.0f} us/token"
+                         if point.get("decode_us_per_token") is not None else "")
                       + (f" wall {point['wall_us_per_step']:.0f} us/step, host waits "
                          f"{point['chain_wait_us_per_read']:.0f} us/read"
                          if point.get("chain_wait_us_per_read") is not None else ""), flush=True)

@@ -36,6 +36,10 @@ CONFIGS = {  # name -> engine keywords (fixed width: the profile is of one step 
     "dflash": dict(speculative_algorithm="DFLASH"),
     "ddtree16": dict(speculative_algorithm="DDTREE", speculative_ddtree_budget=16),
     "ngram": dict(speculative_algorithm="NGRAM"),
+    # adaptive on: with @TERCEL_ADAPTIVE_PIN=plain every decode step is a plain window step that keeps the drafter's
+    # hidden rows (a step here is a token), the plain stretches' own cost beside plain's
+    "eagle3-adaptive": dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1, speculative_adaptive="on"),
+    "dflash-adaptive": dict(speculative_algorithm="DFLASH", speculative_adaptive="on"),
     # sampled (T = 1, top-p 0.95, seeded): the sampler's launches beside the step's
     "plain-t1": {},
     "eagle3-chain-t1": dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1),
@@ -67,9 +71,9 @@ def _engine(base, name: str, device: str, chained: bool):
         algo = kw.get("speculative_algorithm")
         drafts = {"EAGLE3": DEFAULT_EAGLE3_DRAFT, "DFLASH": DEFAULT_DFLASH_DRAFT, "DDTREE": DEFAULT_DFLASH_DRAFT}
         draft = str(drafts[algo]) if algo in drafts else None  # the bundled drafts, whatever GGUF path --model names
+        kw = dict(dict(speculative_adaptive="off"), **kw)
         llm.engine = LLMEngine(loaded=base.engine.loaded, device=device, dtype=base.engine.dtype,
-                               speculative_adaptive="off", kv_cache_memory=1 << 30,
-                               speculative_draft_model_path=draft, **kw)
+                               kv_cache_memory=1 << 30, speculative_draft_model_path=draft, **kw)
     finally:
         if saved is None:
             os.environ.pop("TERCEL_SPEC_CHAIN", None)
@@ -79,9 +83,9 @@ def _engine(base, name: str, device: str, chained: bool):
 
 
 def _steps(llm, out) -> int:
-    """Decode steps for plain, verify steps for speculation."""
+    """Verify steps for speculation, else (plain, or speculation pinned to plain windows) decode steps."""
     m = out[0].metrics
-    return m.spec_verify_steps if llm.engine.spec is not None else len(out[0].outputs[0].token_ids) - 1
+    return m.spec_verify_steps if m.spec_verify_steps else len(out[0].outputs[0].token_ids) - 1
 
 
 def _kernels(llm, prompt: str, params) -> tuple[dict, int]:
@@ -180,7 +184,7 @@ def main() -> None:
     for name in names:
         entry: dict = {}
         for chained in (True, False):
-            if not chained and name.startswith("plain"):
+            if not chained and (name.startswith("plain") or "adaptive" in name):
                 continue
             with switches(split_config(name)[1]):  # the engine's build, captures and runs see its switches
                 llm = _engine(base, name, args.device, chained)

@@ -70,6 +70,9 @@ OVERRIDES: dict[str, EnvOverride] = {
         "min", "adaptive speculation with no request queued: min (every request at the batch's lowest alpha, a new "
                "batch's unverified requests at the floor its size showed), mean (each at its own, as when requests "
                "queue; side-by-side measurements of the two rules)"),
+    "TERCEL_ADAPTIVE_PIN": EnvOverride(
+        "", "plain: adaptive speculation runs every decode step plain (as the engine's decode windows, hidden rows "
+            "kept for the deferred draft_extend, no probes): the plain stretches' own cost beside the plain engine"),
     "TERCEL_CPU_FUSED": EnvOverride(
         "1", "0: CPU decode / verify steps run the eager layer loop instead of one C++ call per decoder layer "
              "(tercel/models/cpu_fused.py; by default a model on the Q4 x Q8 kernel takes them); fp32: an fp32 "

@@ -376,13 +376,17 @@ class AdaptiveSpec:
     # requests not verified yet is weighed at, since the lowest of several unknown alphas sits well below their mean
     floors: dict[int, float] = field(default_factory=dict)
     lowest: bool = True  # with nothing queued, weigh the batch at its lowest alpha (TERCEL_ADAPTIVE_BATCH_ALPHA)
+    pinned: bool = False  # TERCEL_ADAPTIVE_PIN=plain: every decode step plain, no probes (a measurement switch)
 
     @classmethod
     def for_batches(cls, max_num_seqs: int) -> "AdaptiveSpec":
         rule = env("TERCEL_ADAPTIVE_BATCH_ALPHA")
         if rule not in ("min", "mean"):
             raise ConfigError(f"TERCEL_ADAPTIVE_BATCH_ALPHA={rule!r} must be min or mean (unset: min)")
-        return cls(CostModel(default_buckets(max_num_seqs)), lowest=rule == "min")
+        pin = env("TERCEL_ADAPTIVE_PIN")
+        if pin not in ("", "plain"):
+            raise ConfigError(f"TERCEL_ADAPTIVE_PIN={pin!r} must be plain or unset")
+        return cls(CostModel(default_buckets(max_num_seqs)), lowest=rule == "min", pinned=pin == "plain")
 
     def alphas(self, reqs: Sequence[Request], queued: bool) -> list[float]:
         """The acceptance the policy weighs for each request. queued (requests wait for a slot): the batch's
@@ -409,6 +413,8 @@ class AdaptiveSpec:
     def choose(self, reqs: Sequence[Request], widths: Sequence[int],
                prepare: Callable[[int, int], Callable[[], None]], sync: Callable[[], None],
                queued: bool = False) -> int:
+        if self.pinned:
+            return 1
         if not self.costs.knows(len(reqs), widths):
             self.costs.measure(len(reqs), widths, prepare, sync)
             # the first step at a bucket runs the full width: the forwards alone miss what drafting costs and
@@ -424,7 +430,7 @@ class AdaptiveSpec:
         """The plain steps the policy grants these decoding requests now, to run as decode windows at plain speed
         (the engine's multi-step / overlap path); None: the next step goes through the worker (a speculative step,
         a probe, or a bucket whose costs are not measured yet)."""
-        if len(widths) == 1:  # nothing to probe at this batch (no speculative width has a graph here)
+        if len(widths) == 1 or self.pinned:  # nothing to probe at this batch (no speculative graph here), or pinned
             s = self.policy.schedule(self.costs, len(reqs))
             return PlainGrant(s, s.plain_run + 1 + self.policy.probe_max)  # probe_max steps left
         if not self.costs.knows(len(reqs), widths):
