@@ -161,18 +161,9 @@ def decode_rows(reqs: Sequence[Request], ahead: int, block_size: int, tables: Ta
     return BatchRows(positions, slots, [p + 1 for p in positions], flat, cols, [])
 
 
-def context_slots(reqs: Sequence[Request], lengths: Sequence[int], block_size: int,
-                  device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The KV slots [B, max(lengths)] of each request's positions < lengths[i], as one tensor op over the
-    padded block tables (slot 0, the dummy slot, past a request's length), and which are valid."""
-    width = max(len(r.block_table) for r in reqs)
-    tables = torch.tensor(padded_tables(reqs, width), dtype=torch.long, device=device).view(len(reqs), width)
-    return device_context_slots(tables, torch.tensor(lengths, device=device), max(lengths), block_size)
-
-
 def device_context_slots(block_tables: torch.Tensor, lengths: torch.Tensor, width: int,
                          block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """context_slots from tensors (graph-safe: static shapes, no host values): the slots [B, width] of positions
+    """From tensors (graph-safe: static shapes, no host values): the slots [B, width] of positions
     0 .. width - 1 through the block tables [B, cols], slot 0 (the dummy slot) at and past each request's
     length, and which are valid (< lengths [B])."""
     pos = torch.arange(width, device=lengths.device)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from graph_utils import FakeRequests, kv_pool, tiny_model
 
-from tercel.batching import RowSpan, TableRows, build_batch, context_slots, decode_rows, padded_tables
+from tercel.batching import RowSpan, TableRows, build_batch, decode_rows, device_context_slots, padded_tables
 from tercel.executor import DECODE, DRAFT, Executor, verify_key
 from tercel.graphs import GraphConfig
 from tercel.graphs.steps import ModelStep
@@ -98,7 +98,9 @@ def test_packed_tables_follow_every_change_of_the_batch():
 def test_context_slots_mask_past_each_length():
     rng = random.Random(3)
     reqs = [_request(rng, 0, n, 4) for n in (5, 0, 13)]
-    slots, valid = context_slots(reqs, [5, 0, 13], 4, "cpu")
+    cols = max(len(r.block_table) for r in reqs)
+    tables = torch.tensor(padded_tables(reqs, cols)).view(3, cols)
+    slots, valid = device_context_slots(tables, torch.tensor([5, 0, 13]), 13, 4)
     assert slots.shape == (3, 13) and valid.sum(1).tolist() == [5, 0, 13]
     for i, (r, n) in enumerate(zip(reqs, (5, 0, 13))):
         assert slots[i].tolist() == [slot_of(r.block_table, p, 4) for p in range(n)] + [0] * (13 - n)

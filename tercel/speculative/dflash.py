@@ -116,9 +116,9 @@ class DFlashDrafter(Drafter):
 
     def _inject(self, rows: list[int], spans: list[RowSpan], hidden: torch.Tensor) -> None:
         built = build_batch(spans, self.engine.kv.block_size)
-        dev = self.engine.device
-        self.draft.inject_context(hidden[torch.tensor(rows, device=dev)], torch.tensor(built.positions, device=dev),
-                                  torch.tensor(built.slots, device=dev), self.cache)
+        # one staged upload (a torch.tensor(list, device=...) each waited for the device)
+        t = self.engine.executor.upload([rows, built.positions, built.slots])
+        self.draft.inject_context(hidden[t[0]], t[1], t[2], self.cache)
         for s in spans:
             self._state(s.request).context_len = s.request.draft_kv_len = s.start + s.count
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..batching import RowSpan, blocks_covering, build_batch, context_slots, padded_tables
+from ..batching import RowSpan, blocks_covering, build_batch, device_context_slots, padded_tables
 from ..dev_overrides import env
 from ..executor import DRAFT, DRAFT_EXTEND, DRAFT_TREE
 from ..forward_batch import CaptureHiddenMode
@@ -133,10 +133,6 @@ class EagleDrafter(Drafter):
         return isinstance(st, EagleState) and st.valid_for == req.num_computed_tokens
 
     # ---- helpers -------------------------------------------------------------------------
-    def _prefix(self, reqs: list[Request], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Paged slots [B, S_max] of positions < lengths[i] (slot 0 where invalid) and their validity."""
-        return context_slots(reqs, lengths, self.kv.block_size, self.engine.device)
-
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.model.draft_to_target[draft_ids] if self.model.maps_vocab else draft_ids
 
@@ -154,16 +150,19 @@ class EagleDrafter(Drafter):
         h = hidden[0].new_zeros(b, width, hidden[0].shape[-1])
         for i, (toks, hid) in enumerate(zip(ids, hidden)):
             h[i, :len(toks)] = hid
-        prefix_slots, prefix_valid = self._prefix(reqs, starts)
+        # every integer input in one staged upload: a torch.tensor(list, device=...) each waited for the device
+        # (a prefill's draft_extend, and each flush of a plain stretch, took six such round trips)
+        cols = max(len(r.block_table) for r in reqs)
+        t = self.engine.executor.upload([padded_tables(reqs, cols), starts, rows.slots, rows.ids,
+                                         [min(p, max_pos) for p in rows.positions],
+                                         [i * width + len(toks) - 1 for i, toks in enumerate(ids)]])
+        prefix_slots, prefix_valid = device_context_slots(t[0].view(b, cols), t[1], max(starts), self.kv.block_size)
         attn = DraftAttention(self.kv, prefix_slots, prefix_valid, width, self.scale)
         attn.entries = torch.arange(width, device=dev)
         attn.mask = torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None].expand(b, -1, -1)
-        attn.write_slots = torch.tensor(rows.slots, dtype=torch.long, device=dev)
-        positions = [min(p, max_pos) for p in rows.positions]
-        out = self.model(torch.tensor(rows.ids, device=dev), h.view(b * width, -1), torch.tensor(positions, device=dev),
-                         attn, from_target=True)
-        last = torch.tensor([len(t) - 1 for t in ids], device=dev) + torch.arange(b, device=dev) * width
-        h_last = out[last]
+        attn.write_slots = t[2]
+        out = self.model(t[3], h.view(b * width, -1), t[4], attn, from_target=True)
+        h_last = out[t[5]]
         logits = self.model.compute_logits(h_last)
         first = self._to_target(logits.argmax(-1))
         for i, r in enumerate(reqs):
