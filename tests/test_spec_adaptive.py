@@ -688,3 +688,36 @@ def test_where_a_chain_serves_the_batch_only_plain_or_the_chain_is_weighed(smol_
         spec.adaptive.policy.seen = set()
         llm.generate([prompt], params)
         assert spec.adaptive.policy.seen == want, (params, spec.adaptive.policy.seen)
+
+
+def _extends(llm) -> list[tuple[int, int]]:
+    """Record each draft_extend the drafter runs: (first row, end) of its first chunk."""
+    drafter = llm.engine.spec.drafter
+    seen: list[tuple[int, int]] = []
+    real = drafter.after_extend
+
+    def after_extend(chunks, hidden):
+        seen.append((chunks[0].start, chunks[0].end))
+        return real(chunks, hidden)
+
+    drafter.after_extend = after_extend
+    return seen
+
+
+def test_pinned_to_plain_the_drafter_runs_only_at_prefill(smol_llm, monkeypatch):
+    """TERCEL_ADAPTIVE_PIN=plain (the plain stretches' own cost, side by side with the plain engine): every decode
+    step is plain, nothing is probed, and with the deferred rows under the budget the draft runs only over the
+    prompt; an unknown value is refused with the ones it takes."""
+    monkeypatch.setenv("TERCEL_ADAPTIVE_PIN", "plain")
+    prompt = smol_llm.tokenizer.encode("The quick brown fox. " * 6)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = smol_llm.generate([prompt], params)[0].outputs[0].token_ids
+    llm = spec_llm(smol_llm, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(DEFAULT_EAGLE3_DRAFT),
+                   max_num_seqs=1)
+    seen = _extends(llm)
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == plain
+    stats = llm.engine.spec_stats()
+    assert stats.verify_steps == 0 and set(stats.width_histogram) == {1} and seen == [(0, len(prompt))], (stats, seen)
+    monkeypatch.setenv("TERCEL_ADAPTIVE_PIN", "spec")
+    with pytest.raises(ConfigError, match="TERCEL_ADAPTIVE_PIN='spec'"):
+        AdaptiveSpec.for_batches(8)

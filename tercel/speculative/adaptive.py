@@ -141,6 +141,7 @@ class CostModel:
     # (bucket, width) -> its first real step's wall: past that step, later ones are its cost (observe)
     first_s: dict[tuple[int, int], float] = field(default_factory=dict)
     switches_s: dict[int, collections.deque] = field(default_factory=dict)  # bucket -> recent flushes' seconds
+    stale: set[tuple[int, int]] = field(default_factory=set)  # keys observed since their median was taken
     smoothing: float = 0.25  # weight of the newest step in the overhead's moving average
 
     def bucket(self, batch_size: int) -> int:
@@ -153,6 +154,9 @@ class CostModel:
 
     def step_s(self, batch_size: int, width: int) -> float:
         b = self.bucket(batch_size)
+        if (b, width) in self.stale:  # the median when it is read, not per observed window (one per token at bs 1)
+            self.stale.discard((b, width))
+            self.observed_s[b, width] = statistics.median(self.recent_s[b, width])
         seen = self.observed_s.get((b, width))
         if seen is not None:
             if width == 1 and len(self.recent_s[b, 1]) < HOPELESS_AFTER:
@@ -184,7 +188,7 @@ class CostModel:
             return
         recent = self.recent_s.setdefault((b, width), collections.deque(maxlen=OBSERVED_WINDOW))
         recent.append(wall_s)
-        self.observed_s[b, width] = statistics.median(recent)
+        self.stale.add((b, width))
         self._average(self.overhead_s, (b, width > 1), wall_s - self.forward_s[b, width])
 
     def probe_s(self, batch_size: int, width: int) -> float:

@@ -74,6 +74,8 @@ class SpecWorker:
         self._step_began = 0.0
         self._open_step: tuple[int, int, float] | None = None  # (batch size, width, cycle start)
         self._plain_grant: tuple[list[Request], PlainGrant] | None = None  # the batch plain_window's answer is for
+        # a plain window's forward: the one-token verify (it returns the drafter's hidden rows), else the decode
+        self._plain_kind = DECODE if drafter.capture_hidden_mode == CaptureHiddenMode.NULL else verify_key(1)
 
     @property
     def verify_runners(self) -> dict[int, CudaGraphRunner]:
@@ -227,7 +229,7 @@ class SpecWorker:
 
     def plain_kind(self) -> StepKey:
         """The step kind of a plain window's forward (plain_forward's): the one-token verify, or the decode."""
-        return DECODE if self.drafter.capture_hidden_mode == CaptureHiddenMode.NULL else verify_key(1)
+        return self._plain_kind
 
     def after_plain_window(self, reqs: list[Request], hidden: torch.Tensor | None, num_steps: int,
                            wall_s_per_step: float | None) -> None:
@@ -326,7 +328,7 @@ class SpecWorker:
         """A verify of this batch's width through the executor (a width with no graph: the eager target)."""
         ex = self.engine.executor
         if batch.query_lens[0] == 1:  # no hidden states: a plain decode step (nothing drafted anywhere)
-            return ex.run(self.plain_kind(), batch)
+            return ex.run(self._plain_kind, batch)
         return ex.run(verify_key(batch.query_lens[0]), batch)
 
     # ---- the spec step -------------------------------------------------------------------
