@@ -363,7 +363,8 @@ class LLMEngine:
             from .graphs.sampler import SamplerGraphs
 
             self.executor.sampler = SamplerGraphs(self.model_config.vocab_size, self.device,
-                                                  stream=self.executor.capture_stream)
+                                                  stream=self.executor.capture_stream,
+                                                  exact=self.model.logits_exact_dtype)
         log.info("captured %d decode graphs (batch sizes %s) in %.1f s", len(runner.graphs), runner.buckets,
                  runner.stats.capture_seconds)
         if self.spec is not None:
@@ -748,7 +749,8 @@ class LLMEngine:
                 if self.executor.sampler is not None:
                     ids = self.executor.sampler.sample(out.logits, st, window.seeds, window.draws[step])
                 else:
-                    ids = sample_rows(out.logits, st, stream_keys(window.seeds, window.draws[step]))
+                    ids = sample_rows(out.logits, st, stream_keys(window.seeds, window.draws[step]),
+                                      exact=self.model.logits_exact_dtype)
                 if mixed is not None:  # greedy rows of a mixed batch: the argmax (their draw is unused)
                     ids = torch.where(mixed.bool(), ids, greedy_tokens(out.logits))
             step_tokens.append(ids)

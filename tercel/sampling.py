@@ -257,15 +257,16 @@ class SamplingTensors:
 
 
 def sample_rows(logits: torch.Tensor, st: SamplingTensors, keys: torch.Tensor, vocab_ids: torch.Tensor | None = None,
-                id_vocab: int | None = None) -> torch.Tensor:
+                id_vocab: int | None = None, exact: torch.dtype | None = None) -> torch.Tensor:
     """A draw per row of logits [N, V] from its filtered distribution (filter_logits' rules, each row with its
     own settings), by the race with each row's stream key (keys [N]). Token ids [N] on the device, no sync.
     Top-k / top-p work in the sorted domain, and the race runs there too (the candidates' ids map back).
     vocab_ids [V]: column v is token vocab_ids[v] of a vocabulary of id_vocab tokens (a draft's mapped
     vocabulary: it races against the noise the target's draw of the same output token uses).
+    exact: a 16-bit dtype every value of float32 logits is exact in (the target's logits_exact_dtype).
     On a GPU the filters are one launch after the sort (kernels/sample_filter.py)."""
     if use_triton(logits) and logits.dim() == 2:
-        return _sample_rows_fused(logits, st, keys, vocab_ids, id_vocab)
+        return _sample_rows_fused(logits, st, keys, vocab_ids, id_vocab, exact)
     x = logits.float() / st.temperature[:, None]
     if not (st.any_top_k or st.any_top_p):
         probs = x.softmax(-1)
@@ -287,16 +288,22 @@ def sample_rows(logits: torch.Tensor, st: SamplingTensors, keys: torch.Tensor, v
 
 
 def _sample_rows_fused(logits: torch.Tensor, st: SamplingTensors, keys: torch.Tensor,
-                       vocab_ids: torch.Tensor | None, id_vocab: int | None) -> torch.Tensor:
+                       vocab_ids: torch.Tensor | None, id_vocab: int | None,
+                       exact: torch.dtype | None = None) -> torch.Tensor:
     """sample_rows on a GPU. With top-k or top-p: the sort, then one launch filters and races over the kept
-    prefix (kernels/sample_filter.sample_sorted). The sort takes 16-bit logits as they are (half the radix
-    passes of float32; the same order: the conversion is exact and the sort stable, as CUDA's radix sort of a row
-    this wide is anyway; the target's head writes float32, so decoding sorts float32). Without: one filter launch
-    and the race."""
+    prefix (kernels/sample_filter.sample_sorted). The sort takes 16-bit logits as they are, and float32 logits whose
+    values are exact in a 16-bit dtype (`exact`: a bf16 target's head writes float32 holding bf16 values) in that
+    dtype: half the radix passes of float32 and the same order (the conversion is exact and the sort stable, as
+    CUDA's radix sort of a row this wide is anyway), so the same tokens. Without: one filter launch and the race."""
     from .kernels.sample_filter import filtered_probs, sample_sorted
 
     if st.any_top_k or st.any_top_p:  # x / T keeps the order (T > 0): the kernel divides after the sort
-        x = logits if logits.dtype in (torch.bfloat16, torch.float16) else logits.float()
+        if logits.dtype in (torch.bfloat16, torch.float16):
+            x = logits
+        elif logits.dtype == torch.float32 and exact in (torch.bfloat16, torch.float16):
+            x = logits.to(exact)
+        else:
+            x = logits.float()
         x, order = torch.sort(x.contiguous(), dim=-1, descending=True, stable=True)
         ids = order if vocab_ids is None else vocab_ids[order]
         return sample_sorted(x, ids, keys.to(x.device), st.temperature, st.top_k, st.top_p, st.min_p, st.any_top_k,

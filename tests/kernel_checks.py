@@ -650,7 +650,8 @@ def check_sample_filter(device: str, dtype: torch.dtype) -> None:
     """The one-launch filter (kernels/sample_filter.py) gives torch's filtered probabilities in the sorted domain
     (the same kept set, values within a few ulps; min-p zeroes without renormalising, as sample_rows does), and
     sample_rows through it draws torch's tokens: ties at the top-k boundary, top-k 1, off values, unsorted rows
-    with and without min-p, bf16 logits, a vocabulary off the chunk width, a mapped draft vocabulary. Draws for 12
+    with and without min-p, bf16 logits, a vocabulary off the chunk width, a mapped draft vocabulary; float32
+    logits exact in bf16 sorted as bf16 (exact=) draw the float32 sort's tokens. Draws for 12
     seeds natively, 4 in the interpreter (every case above in each draw; the interpreter runs each of the race's
     ~130 programs in Python)."""
     import tercel.sampling as sampling
@@ -686,6 +687,11 @@ def check_sample_filter(device: str, dtype: torch.dtype) -> None:
             with _TorchPaths(sampling):
                 ref = (sample_rows(logits, st, keys), sample_rows(logits, st, keys, ids, 2 * v))
             assert torch.equal(fused[0], ref[0]) and torch.equal(fused[1], ref[1]), (v, seed, fused, ref)
+        # float32 logits holding bf16 values (a bf16 target's head): sorted as bf16 (exact=), the same tokens
+        exact = logits.to(torch.bfloat16).float()
+        for seed in range(2 if device == "cuda" else 1):
+            keys = stream_keys(torch.full((len(params),), seed), torch.arange(len(params))).to(device)
+            assert torch.equal(sample_rows(exact, st, keys, exact=torch.bfloat16), sample_rows(exact, st, keys)), v
         unsorted = SamplingTensors.of([SamplingParams(temperature=0.7, min_p=0.05), SamplingParams(temperature=1.3)],
                                       v, torch.device(device))
         got = filtered_probs(logits[:2].float(), unsorted.temperature, unsorted.top_k, unsorted.top_p,

@@ -103,7 +103,7 @@ class SampledDecodeStep(ModelStep):
         temperature = torch.where(sp.temperature > 0, sp.temperature, torch.ones_like(sp.temperature))
         st = SamplingTensors(temperature, sp.top_k.clamp(1, logits.shape[-1]), sp.top_p, sp.min_p, v.filtered,
                              v.filtered, True)
-        tokens = sample_rows(logits, st, stream_keys(sp.seeds, sp.draws))
+        tokens = sample_rows(logits, st, stream_keys(sp.seeds, sp.draws), exact=self.model.logits_exact_dtype)
         if v.mixed:
             tokens = torch.where(sp.sampled.bool(), tokens, greedy_tokens(logits))
         return SampledDecodeOutput(tokens, logits, out.hidden_states)

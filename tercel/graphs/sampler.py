@@ -45,8 +45,9 @@ class _SamplerGraph:
 
 class SamplerGraphs:
     def __init__(self, vocab: int, device: torch.device, max_bs: int = SAMPLER_GRAPH_MAX_BS,
-                 stream: torch.cuda.Stream | None = None):
+                 stream: torch.cuda.Stream | None = None, exact: torch.dtype | None = None):
         self.vocab, self.device, self.max_bs = vocab, device, max_bs
+        self.exact = exact  # the target's logits_exact_dtype (sample_rows)
         self.graphs: dict[tuple[int, torch.dtype, bool, bool, bool], _SamplerGraph] = {}
         self.pool = None
         self.stream = stream  # the executor's capture stream (None: one of its own, made at the first capture)
@@ -63,7 +64,7 @@ class SamplerGraphs:
         b = logits.shape[0]
         if b > self.max_bs or logits.shape[-1] != self.vocab or logits.device.type != "cuda":
             self.stats["eager"] += 1
-            return sample_rows(logits, st, stream_keys(seeds, draws))
+            return sample_rows(logits, st, stream_keys(seeds, draws), exact=self.exact)
         key = (self.bucket(b), logits.dtype, st.any_top_k, st.any_top_p, st.any_min_p)
         g = self.graphs.get(key)
         if g is None:
@@ -73,7 +74,7 @@ class SamplerGraphs:
                 log.warning("sampler graph capture failed (%s); sampled decode rows run eagerly", e)
                 self.max_bs = 0
                 self.stats["eager"] += 1
-                return sample_rows(logits, st, stream_keys(seeds, draws))
+                return sample_rows(logits, st, stream_keys(seeds, draws), exact=self.exact)
         g.logits[:b].copy_(logits)
         g.seeds[:b].copy_(seeds)
         g.draws[:b].copy_(draws)
@@ -99,7 +100,7 @@ class SamplerGraphs:
         st = SamplingTensors(g.temperature, g.top_k, g.top_p, g.min_p, any_top_k, any_top_p, any_min_p)
 
         def body() -> None:
-            g.out.copy_(sample_rows(g.logits, st, stream_keys(g.seeds, g.draws)))
+            g.out.copy_(sample_rows(g.logits, st, stream_keys(g.seeds, g.draws), exact=self.exact))
 
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()

@@ -45,6 +45,11 @@ class TargetModel(Protocol):
     @property
     def lm_head_weight(self) -> torch.Tensor: ...
 
+    @property
+    def logits_exact_dtype(self) -> torch.dtype | None:
+        """The 16-bit dtype every fp32 logit's value is exact in (None: not known to be)."""
+        ...
+
     def set_aux_layers(self, layer_ids: Iterable[int]) -> None:
         """Fix aux_layer_ids (before any graph capture); out-of-range ids raise ConfigError."""
         ...

@@ -229,6 +229,14 @@ class LlamaForCausalLM(nn.Module):
         self.aux_layer_ids = ids
 
     @property
+    def logits_exact_dtype(self) -> torch.dtype | None:
+        """The 16-bit dtype every logit's value is exact in (each head kernel rounds its product to the model's
+        dtype before widening to float32, as an op in that dtype rounds), or None (a float32 model, or the CPU's packed
+        heads): a GPU sort may take the logits in it, half the radix passes for the same order."""
+        w = self.lm_head_weight
+        return w.dtype if w.is_cuda and w.dtype in (torch.bfloat16, torch.float16) else None
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 

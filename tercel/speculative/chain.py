@@ -77,16 +77,17 @@ class ChainSampling:
                                rep(self.min_p), True, True, True)
 
 
-def verify_targets(logits: torch.Tensor, sp: "ChainSampling | None", ahead: torch.Tensor) -> torch.Tensor:
+def verify_targets(logits: torch.Tensor, sp: "ChainSampling | None", ahead: torch.Tensor,
+                   exact: torch.dtype | None = None) -> torch.Tensor:
     """The target's token at each of a chained step's verify rows [B, W] (logits [B * W, V]): the argmax, and for
     sampled requests the plain sampler's draw of output token draws + ahead (ahead [W] for a chain's row j, or
-    [B, W]: a tree node's depth)."""
+    [B, W]: a tree node's depth). exact: the target's logits_exact_dtype (sample_rows)."""
     n, w = ahead.shape if ahead.dim() == 2 else (logits.shape[0] // ahead.shape[0], ahead.shape[0])
     targets = greedy_tokens(logits).view(n, w)
     if sp is None:
         return targets
     keys = stream_keys(sp.seeds[:, None], sp.draws[:, None] + ahead).reshape(-1)
-    drawn = sample_rows(logits, sp.settings(logits.shape[-1], w), keys).view(n, w)
+    drawn = sample_rows(logits, sp.settings(logits.shape[-1], w), keys, exact=exact).view(n, w)
     return torch.where(sp.sampled.bool()[:, None], drawn, targets)
 
 
@@ -200,7 +201,8 @@ class EagleChainStep(StepKind):
         meta = self.target.attn_backend.capture_metadata(fb, bs, w)
         out = self.target(fb, self.kv, attn_meta=meta)
         # accept: the longest prefix of drafts the target agrees with, then its own next token
-        targets = verify_targets(out.logits, sp, torch.arange(w, device=dev))  # sampled row j: draw draws + j
+        targets = verify_targets(out.logits, sp, torch.arange(w, device=dev),  # sampled row j: draw draws + j
+                                 self.target.logits_exact_dtype)
         # k, the bonus, draft_extend's rows (the root and the k accepted drafts; the rest write the dummy slot)
         # and the next step's root and base, written in place (padding rows keep base 0)
         acc = chain_accept(targets, tokens, at.slots, s.base, s.live, s.roots)

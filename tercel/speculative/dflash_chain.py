@@ -136,7 +136,8 @@ class DFlashChainStep(StepKind):
                           logits_indices=torch.arange(n * w, device=dev), query_lens=[w] * n, seq_lens_cpu=[w] * n,
                           capture_hidden_mode=CaptureHiddenMode.FULL)
         out = self.target(fb, self.kv, attn_meta=self.target.attn_backend.capture_metadata(fb, bs, w))
-        targets = verify_targets(out.logits, sp, j)  # sampled row j: the plain sampler's draw draws + j
+        targets = verify_targets(out.logits, sp, j,  # sampled row j: the plain sampler's draw draws + j
+                                 self.target.logits_exact_dtype)
         # k, the bonus, and the next step's root and base in place (padding rows keep base 0)
         acc = chain_accept(targets, tokens, at.slots, s.base, s.live, s.roots)
         # the context grows by the root and the accepted drafts (the other rows write the dummy slot 0)

@@ -153,7 +153,8 @@ def verify_tree(target: torch.nn.Module, kv: PagedKVCache, tree: TreeLayout, at:
                       query_lens=[w] * n, seq_lens_cpu=[w] * n, custom_masks=list(tree.masks.unbind(0)),
                       capture_hidden_mode=CaptureHiddenMode.FULL)
     out = target(fb, kv, attn_meta=target.attn_backend.capture_metadata(fb, bs, w))
-    targets = verify_targets(out.logits, sp, tree.depth)  # sampled node j: the draw of draws + depth[j]
+    targets = verify_targets(out.logits, sp, tree.depth,  # sampled node j: the draw of draws + depth[j]
+                             target.logits_exact_dtype)
     acc = tree_accept(targets, tree, at.slots, s.base, s.live, s.roots)
     kv.copy_slots(acc.src, acc.dst)
     return out, acc

@@ -99,11 +99,12 @@ def accept_greedy_batched(argmax: torch.Tensor, tokens: torch.Tensor, lens: torc
     return best, argmax.gather(1, best[:, None])[:, 0]
 
 
-def sampled_targets(logits: torch.Tensor, depth: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+def sampled_targets(logits: torch.Tensor, depth: torch.Tensor, reqs: list[Request],
+                    exact: torch.dtype | None = None) -> torch.Tensor:
     """The token the plain sampler draws at every node of a batch, on the device, no host sync: argmax p / E
     with E the noise of draw r.draws + depth of the request's stream. logits [b, W, V]; depth [b, W] (a
     chain's row index); reqs sampled (T > 0) and context_free. Returns [b, W], for accept_greedy_batched."""
     b, w, v = logits.shape
     keys = ahead_keys(reqs, depth.to(torch.int64)).reshape(-1)
     st = SamplingTensors.of([r.params for r in reqs], v, logits.device, repeat=w)
-    return sample_rows(logits.reshape(b * w, v), st, keys).view(b, w)
+    return sample_rows(logits.reshape(b * w, v), st, keys, exact=exact).view(b, w)

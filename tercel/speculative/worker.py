@@ -429,7 +429,8 @@ class SpecWorker:
             depth = (layout.depth.index_select(0, idx) if layout.depth is not None
                      else torch.arange(width, device=logits.device).expand(len(sampled), width))
             targets = targets.index_copy(0, idx, sampled_targets(logits.view(b, width, -1).index_select(0, idx),
-                                                                 depth, [reqs[i] for i in sampled]))
+                                                                 depth, [reqs[i] for i in sampled],
+                                                                 self.engine.model.logits_exact_dtype))
         best, bonus = accept_greedy_batched(targets, layout.tokens, layout.lens, layout.parents, layout.depth,
                                             layout.masks)
         fetch = [best[:, None], bonus[:, None]] + ([layout.tokens] if p.trees is None else [])
