@@ -710,8 +710,10 @@ class LLMEngine:
                                      pin_memory=self.device.type == "cuda")
                 mixed = mixed.to(self.device, non_blocking=True)
         spec_plain = self.spec is not None
+        keeps_hidden = False  # the drafter reads the target's hidden rows (EAGLE, DFlash): its own one-token step
         if spec_plain:
-            self.spec.adaptive.ran_plain(num_steps, len(reqs), None)
+            self.spec.window_launched(reqs, num_steps)
+            keeps_hidden = self.spec.plain_kind() != DECODE
         drawn = None  # sampled rows, with graphs: the kind that runs the forward and the draw in one replay
         if st is not None:
             base = self.spec.plain_kind() if spec_plain else DECODE
@@ -735,7 +737,7 @@ class LLMEngine:
                 if spec_plain and res.hidden_states is not None:
                     hidden.append(res.hidden_states.clone())
                 continue
-            if spec_plain:  # the drafter's hidden rows too, kept for its deferred draft_extend
+            if keeps_hidden:  # the drafter's hidden rows too, kept for its deferred draft_extend
                 out = self.spec.plain_forward(window.batch(step, ids))
                 if out.hidden_states is not None:
                     hidden.append(out.hidden_states.clone())  # the next replay overwrites the graph's output

@@ -142,11 +142,15 @@ class CostModel:
     first_s: dict[tuple[int, int], float] = field(default_factory=dict)
     switches_s: dict[int, collections.deque] = field(default_factory=dict)  # bucket -> recent flushes' seconds
     stale: set[tuple[int, int]] = field(default_factory=set)  # keys observed since their median was taken
+    bucket_of: dict[int, int] = field(default_factory=dict)  # batch size -> its bucket (asked several times a step)
     smoothing: float = 0.25  # weight of the newest step in the overhead's moving average
 
     def bucket(self, batch_size: int) -> int:
-        i = bisect.bisect_left(self.buckets, batch_size)
-        return self.buckets[min(i, len(self.buckets) - 1)]
+        b = self.bucket_of.get(batch_size)
+        if b is None:
+            i = bisect.bisect_left(self.buckets, batch_size)
+            b = self.bucket_of[batch_size] = self.buckets[min(i, len(self.buckets) - 1)]
+        return b
 
     def knows(self, batch_size: int, widths: Sequence[int]) -> bool:
         b = self.bucket(batch_size)

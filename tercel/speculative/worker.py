@@ -231,12 +231,22 @@ class SpecWorker:
         """The step kind of a plain window's forward (plain_forward's): the one-token verify, or the decode."""
         return self._plain_kind
 
+    def window_launched(self, reqs: list[Request], num_steps: int) -> None:
+        """A plain window of num_steps is on its way: its steps count towards the granted stretch's probe (the
+        grant's own schedule while the batch is the one it was granted to: no bucket lookup per window)."""
+        grant = self._plain_grant
+        if grant is not None and same_batch(grant[0], reqs):
+            grant[1].schedule.plain_run += num_steps
+        else:
+            self.adaptive.ran_plain(num_steps, len(reqs), None)
+
     def after_plain_window(self, reqs: list[Request], hidden: torch.Tensor | None, num_steps: int,
                            wall_s_per_step: float | None) -> None:
         """A window's tokens are appended: keep the hidden rows of the requests that go on ([num_steps, B, H],
-        request i's column) for their next draft_extend, and count the window's steps in the policy."""
+        request i's column) for their next draft_extend, and count the window's pace in the cost model."""
         ada = self.adaptive
-        ada.ran_plain(0, len(reqs), wall_s_per_step)
+        if wall_s_per_step is not None:
+            ada.costs.observe(len(reqs), 1, wall_s_per_step)
         self.stats.width_histogram[1] = self.stats.width_histogram.get(1, 0) + num_steps
         self.stats.plain_window_steps += num_steps
         if hidden is not None:  # the window's stacked rows are its own tensor (the engine's decode window)
