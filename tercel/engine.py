@@ -262,7 +262,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv.allocator, block_size, sched.max_num_seqs, sched.max_num_batched_tokens,
                                    max_step_tokens=sched.max_step_tokens,
                                    min_prefill_tokens=max(1, (sched.max_step_tokens or 0) // 4))
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.model.logits_exact_dtype)
         self.requests: dict[str, Request] = {}
         self.sink = OutputSink(self.scheduler, self.requests, self.tokenizer, self.config.max_model_len)
         self._ids = itertools.count()

@@ -314,23 +314,24 @@ def _sample_rows_fused(logits: torch.Tensor, st: SamplingTensors, keys: torch.Te
     return race_keys(probs, keys, ids, id_vocab)
 
 
-def sample_batch(logits: torch.Tensor, reqs: list[Request], keys: torch.Tensor | None = None) -> torch.Tensor:
+def sample_batch(logits: torch.Tensor, reqs: list[Request], keys: torch.Tensor | None = None,
+                 exact: torch.dtype | None = None) -> torch.Tensor:
     """Sampled (T > 0) rows: each request's token from its target_probs. logits [len(reqs), V]; keys: each row's
-    stream key on the device (None: the requests' next draws, taken now). Token ids [len(reqs)] stay on
-    logits' device."""
+    stream key on the device (None: the requests' next draws, taken now); exact: the target's logits_exact_dtype
+    (sample_rows). Token ids [len(reqs)] stay on logits' device."""
     if keys is None:
         keys = draw_keys(reqs).to(logits.device, non_blocking=True)
     ctx = [i for i, r in enumerate(reqs) if r.params.has_penalties or r.params.min_tokens]
     if not ctx:
         return sample_rows(logits, SamplingTensors.of([r.params for r in reqs], logits.shape[-1], logits.device),
-                           keys)
+                           keys, exact=exact)
     out = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
     skip = set(ctx)
     free = [i for i in range(len(reqs)) if i not in skip]
     if free:
         idx = torch.tensor(free, device=logits.device)
         st = SamplingTensors.of([reqs[i].params for i in free], logits.shape[-1], logits.device)
-        out[idx] = sample_rows(logits[idx], st, keys[idx])
+        out[idx] = sample_rows(logits[idx], st, keys[idx], exact=exact)
     for i in ctx:  # penalties / min_tokens depend on the request's own tokens: one row at a time
         out[i:i + 1] = race_keys(target_probs(logits[i], reqs[i])[None], keys[i:i + 1])
     return out
@@ -349,6 +350,9 @@ def token_logprobs(row: torch.Tensor, token: int, top_n: int) -> dict[int, float
 
 
 class Sampler:
+    def __init__(self, exact: torch.dtype | None = None) -> None:
+        self.exact = exact  # the target's logits_exact_dtype (sample_rows)
+
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: [len(reqs), V] float32. Returns token ids and, where asked, logprobs (of the raw logits).
         Rows of requests with a grammar choose among the tokens it allows next."""
@@ -368,7 +372,8 @@ class Sampler:
         sampled_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if sampled_rows:  # one batched draw, one device->host copy
             rows = logits if len(sampled_rows) == len(reqs) else logits[sampled_rows]
-            chosen.update(zip(sampled_rows, sample_batch(rows, [reqs[i] for i in sampled_rows]).tolist()))
+            chosen.update(zip(sampled_rows, sample_batch(rows, [reqs[i] for i in sampled_rows],
+                                                         exact=self.exact).tolist()))
         for i, req in enumerate(reqs):
             row = logits[i]
             # greedy with penalties / min_tokens: argmax of the processed logits
