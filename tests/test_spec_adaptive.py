@@ -721,3 +721,22 @@ def test_pinned_to_plain_the_drafter_runs_only_at_prefill(smol_llm, monkeypatch)
     monkeypatch.setenv("TERCEL_ADAPTIVE_PIN", "spec")
     with pytest.raises(ConfigError, match="TERCEL_ADAPTIVE_PIN='spec'"):
         AdaptiveSpec.for_batches(8)
+
+
+def test_the_probe_share_switch_spaces_probes_by_its_share(monkeypatch):
+    """TERCEL_ADAPTIVE_PROBE_SHARE (side-by-side runs of the probe spacing): a probe and the draft_extend it forces
+    cost at most that share of the plain stretch before it; a value outside (0, 1) is refused with the range."""
+    def stretch() -> int:
+        ada = AdaptiveSpec.for_batches(8)
+        ada.costs.forward_s.update({(1, 1): 2.0 ** -10, (1, 4): 2.0 ** -8})  # a width-4 step costs 4 plain steps
+        width, steps = ada.policy.probe(ada.costs, 1, (1, 4))
+        assert width == 4
+        return steps
+
+    assert stretch() == math.ceil(4 / 0.03)  # unset: 3 %
+    monkeypatch.setenv("TERCEL_ADAPTIVE_PROBE_SHARE", "0.0625")
+    assert stretch() == 64
+    for bad in ("0", "1.5", "often"):
+        monkeypatch.setenv("TERCEL_ADAPTIVE_PROBE_SHARE", bad)
+        with pytest.raises(ConfigError, match=f"TERCEL_ADAPTIVE_PROBE_SHARE='{bad}' must be a number in"):
+            AdaptiveSpec.for_batches(8)

@@ -394,7 +394,16 @@ class AdaptiveSpec:
         pin = env("TERCEL_ADAPTIVE_PIN")
         if pin not in ("", "plain"):
             raise ConfigError(f"TERCEL_ADAPTIVE_PIN={pin!r} must be plain or unset")
-        return cls(CostModel(default_buckets(max_num_seqs)), lowest=rule == "min", pinned=pin == "plain")
+        share = env("TERCEL_ADAPTIVE_PROBE_SHARE")
+        try:
+            probe_share = float(share)
+        except ValueError:
+            probe_share = -1.0
+        if not 0.0 < probe_share < 1.0:
+            raise ConfigError(f"TERCEL_ADAPTIVE_PROBE_SHARE={share!r} must be a number in (0, 1) "
+                              f"(unset: {PROBE_SHARE})")
+        return cls(CostModel(default_buckets(max_num_seqs)), WidthPolicy(probe_share=probe_share), lowest=rule == "min",
+                   pinned=pin == "plain")
 
     def alphas(self, reqs: Sequence[Request], queued: bool) -> list[float]:
         """The acceptance the policy weighs for each request. queued (requests wait for a slot): the batch's
