@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .graphs.staging import to_device
 from .kernels import use_triton
 from .request import Request
 from .sampling_params import SamplingParams
@@ -122,8 +123,8 @@ def ahead_keys(reqs: list[Request], ahead: torch.Tensor) -> torch.Tensor:
     """Keys of draws still ahead, without taking them: entry [i, j] is draw r.draws + ahead[i, j] of request
     i's stream (the noise of the output token that many places on). ahead [len(reqs), n] int64 on any
     device; the keys come on its device."""
-    seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64).to(ahead.device)
-    draws = torch.tensor([r.draws for r in reqs], dtype=torch.int64).to(ahead.device)
+    seeds, draws = to_device(torch.tensor([[r.seed for r in reqs], [r.draws for r in reqs]], dtype=torch.int64),
+                             ahead.device)
     return stream_keys(seeds[:, None], draws[:, None] + ahead)
 
 
@@ -241,15 +242,13 @@ class SamplingTensors:
     @classmethod
     def of(cls, params: Sequence[SamplingParams], vocab: int, device: torch.device,
            repeat: int = 1) -> "SamplingTensors":
-        """One row per params entry, each repeated `repeat` times (a verify's nodes); a pinned, non-blocking
-        upload on a GPU."""
+        """One row per params entry, each repeated `repeat` times (a verify's nodes); uploaded without
+        waiting for the GPU."""
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         host = torch.tensor([[float(p.temperature) for p in params], [float(k) for k in ks],
                              [float(p.top_p) for p in params], [float(p.min_p) for p in params]],
                             dtype=torch.float32)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(device, non_blocking=True)
+        dev = to_device(host, device)
         if repeat > 1:
             dev = dev.repeat_interleave(repeat, dim=1)
         return cls(dev[0], dev[1].long(), dev[2], dev[3], any(k < vocab for k in ks),
@@ -329,7 +328,7 @@ def sample_batch(logits: torch.Tensor, reqs: list[Request], keys: torch.Tensor |
     skip = set(ctx)
     free = [i for i in range(len(reqs)) if i not in skip]
     if free:
-        idx = torch.tensor(free, device=logits.device)
+        idx = to_device(torch.tensor(free), logits.device)
         st = SamplingTensors.of([reqs[i].params for i in free], logits.shape[-1], logits.device)
         out[idx] = sample_rows(logits[idx], st, keys[idx], exact=exact)
     for i in ctx:  # penalties / min_tokens depend on the request's own tokens: one row at a time

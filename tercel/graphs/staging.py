@@ -36,6 +36,15 @@ def split_views(flat: torch.Tensor, lists: Sequence[Sequence[int]]) -> list[torc
     return out
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting for the GPU: a copy from pageable memory makes the host wait
+    for every kernel queued before it (a stream sync in the middle of a step), one from pinned memory does not (the
+    caching host allocator keeps the pinned block until the copy has read it)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class HostStager:
     def __init__(self, device: torch.device, capacity: int = 1 << 16) -> None:
         self.device = device

@@ -31,6 +31,7 @@ import torch
 from ..batching import padded_tables
 from ..executor import CHAIN, CHAIN_SAMPLED
 from ..graphs.runner import CudaGraphRunner
+from ..graphs.staging import to_device
 from ..outputs import RequestOutput
 from ..request import Request
 from .chain import ChainOutputs, ChainSampling
@@ -142,8 +143,9 @@ class ChainLoop:
         ints = self.engine.executor.upload([[r.seed for r in reqs], [r.draws for r in reqs],
                                             [0 if p.greedy else 1 for p in ps],
                                             [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]])
-        floats = torch.tensor([[1.0 if p.greedy else float(p.temperature) for p in ps], [float(p.top_p) for p in ps],
-                               [float(p.min_p) for p in ps]], dtype=torch.float32).to(self.engine.device)
+        floats = to_device(torch.tensor([[1.0 if p.greedy else float(p.temperature) for p in ps],
+                                         [float(p.top_p) for p in ps], [float(p.min_p) for p in ps]],
+                                        dtype=torch.float32), self.engine.device)
         return ChainSampling(ints[0], ints[1], ints[2], floats[0], ints[3], floats[1], floats[2])
 
     def _in_flight(self, reqs: list[Request], out: ChainOutputs, table_lens: list[int],

@@ -435,7 +435,7 @@ class SpecWorker:
         targets = greedy_tokens(logits).view(b, width)
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy and context_free(r)]
         if sampled:
-            idx = torch.tensor(sampled, device=logits.device)
+            idx = self.engine.executor.upload([sampled])[0]  # pinned: no wait for the verify in flight
             depth = (layout.depth.index_select(0, idx) if layout.depth is not None
                      else torch.arange(width, device=logits.device).expand(len(sampled), width))
             targets = targets.index_copy(0, idx, sampled_targets(logits.view(b, width, -1).index_select(0, idx),
