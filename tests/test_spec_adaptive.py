@@ -580,11 +580,10 @@ class _AlwaysFull(WidthPolicy):
         return max(widths)
 
 
-def test_a_chain_is_costed_with_its_start_and_end(smol_llm, monkeypatch):
-    """A chained EAGLE step read 1.9 ms a step between two reads at 16 requests on an H100 (T = 1) while the fixed
-    chain's passes worked out at >= 2.3 ms: each start (the draft_extend before it, staging) and end (the state
-    copies) fell outside every timed interval, and chains restart whenever the batch changes. A chain is costed
-    as a whole, start to end over its steps: here a start that costs 0.3 s more shows in its steps' cost."""
+def _chain_run(smol_llm, monkeypatch, policy: WidthPolicy, dear_s: float):
+    """One request's greedy decode under the chained EAGLE-3 step (breakable-debug graphs, overlap on), every width's
+    forward known, the policy given, each chain start dearer by dear_s; returns the worker, its chained steps and the
+    full width's observed costs."""
     llm = spec_llm(smol_llm, cuda_graph_backend="breakable-debug", max_model_len=320, cuda_graph_max_bs=4,
                    disable_overlap_schedule=False, speculative_algorithm="EAGLE3",
                    speculative_draft_model_path=str(DEFAULT_EAGLE3_DRAFT))
@@ -593,21 +592,63 @@ def test_a_chain_is_costed_with_its_start_and_end(smol_llm, monkeypatch):
     widths = spec.widths()
     spec.adaptive.costs = _RecordingCosts((1, 2, 4), {(b, w): 0.001 for b in (1, 2, 4) for w in widths})
     spec.adaptive.costs.seen = []
-    spec.adaptive.policy = _AlwaysFull()
+    spec.adaptive.policy = policy
     start = type(spec.chain).start
 
     def dear_start(self, reqs):
-        time.sleep(0.3)
+        time.sleep(dear_s)
         return start(self, reqs)
 
     monkeypatch.setattr(type(spec.chain), "start", dear_start)
     prompt = llm.tokenizer.encode("The quick brown fox. " * 6)
     llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     steps = spec.stats.width_histogram.get(spec.num_draft_tokens, 0)
-    seen = [s for w, s in spec.adaptive.costs.seen if w == spec.num_draft_tokens]
+    return spec, steps, [s for w, s in spec.adaptive.costs.seen if w == spec.num_draft_tokens]
+
+
+def test_a_chain_is_costed_with_its_start_and_end(smol_llm, monkeypatch):
+    """A chained EAGLE step read 1.9 ms a step between two reads at 16 requests on an H100 (T = 1) while the fixed
+    chain's passes worked out at >= 2.3 ms: each start (the draft_extend before it, staging) and end (the state
+    copies) fell outside every timed interval, and chains restart whenever the batch changes. A chain that the
+    batch's changes end is costed as a whole, start to end over its steps: here a start that costs 0.3 s more
+    shows in its steps' cost."""
+    spec, steps, seen = _chain_run(smol_llm, monkeypatch, _AlwaysFull(), 0.3)
     assert steps > 1 and spec.stats.worker_steps == 2  # the prefill and the chain's start: the rest ran in flight
     # one chain over the request's decode: its cost per step carries the start's 0.3 s
     assert len(seen) == 1 and seen[0] >= 0.3 / steps, (seen, steps)
+
+
+class _FullThenPlain(WidthPolicy):
+    """The full width for the first three choices (the chain's start and its next two steps), then plain."""
+    def best(self, costs, batch_size, alphas, widths) -> int:
+        self.calls = getattr(self, "calls", 0) + 1
+        return max(widths) if self.calls <= 3 else 1
+
+
+def test_a_chain_run_the_policy_ends_is_costed_at_its_pace(smol_llm, monkeypatch):
+    """At one request on an H100 the adaptive chain's runs lasted 4-8 steps, the policy ending each, and costed whole
+    they read 2.15-2.29 ms a step against the fixed chain's ~1.33 ms: the policy stayed plain (0.99x plain) where the
+    fixed chain ran 1.09x. A run the policy ends is costed at the pace of its reads; its start and end (here a start
+    that costs 0.5 s more) count once per switch, in the probes' spacing."""
+    spec, steps, seen = _chain_run(smol_llm, monkeypatch, _FullThenPlain(), 0.5)
+    excursions = spec.adaptive.costs.excursions_s[1]
+    assert steps >= 2 and len(seen) == 1 and len(excursions) == 1, (steps, seen, excursions)
+    # the run's time beyond steps x pace holds the start's 0.5 s, so the pace left it out
+    assert excursions[0] >= 0.5 and 0 < seen[0] and spec.adaptive.costs.switch_s(1) == excursions[0]
+
+
+def test_a_chain_runs_pace_and_its_switch_cost():
+    """CostModel.observe_chain: the pace of the reads after the first is the step cost; the rest of the run, with
+    the median flush, is what a switch costs; a run of one step is costed whole."""
+    costs = _costs({1: 0.001, 6: 0.002})
+    for _ in range(2):  # a width's first real step carries one-time work: the second is its cost
+        costs.observe_chain(1, 6, 5, began=0.0, first_read=0.004, last_read=0.004 + 4 * 0.0013, ended=0.0095)
+    assert costs.step_s(1, 6) == pytest.approx(0.0013)
+    assert costs.switch_s(1) == pytest.approx(0.0095 - 5 * 0.0013)
+    costs.observe_switch(1, 0.002)
+    assert costs.switch_s(1) == pytest.approx(0.0095 - 5 * 0.0013 + 0.002)
+    costs.observe_chain(1, 6, 1, began=0.0, first_read=0.003, last_read=0.003, ended=0.0035)
+    assert list(costs.recent_s[1, 6]) == pytest.approx([0.0013, 0.0035])
 
 
 def test_a_plain_stretch_weighs_the_batch_once_not_every_window(smol_llm, prompts, plain, monkeypatch):

@@ -62,6 +62,8 @@ class ChainLoop:
         self._timing = False  # adaptive: the in-flight chain is being costed (time_from)
         self._clock: float | None = None  # when its timed engine cycles began
         self._steps = 0  # chained steps read since then
+        self._reads = (0.0, 0.0)  # when the first and the latest of them were read (the run's pace)
+        self._policy_end = False  # the policy, not the batch, ended the run: its start and end were the switch's
         self._stream = torch.cuda.Stream(self.engine.device) if self.engine.device.type == "cuda" else None
 
     def _runner_for(self, reqs: list[Request]) -> CudaGraphRunner | None:
@@ -114,6 +116,7 @@ class ChainLoop:
         if ada is not None and ada.costs.knows(len(w.reqs), self._widths()):
             alphas = ada.alphas(w.reqs, bool(eng.scheduler.waiting))
             if ada.policy.choose(ada.costs, len(w.reqs), alphas, self._widths()) != self.width:
+                self._policy_end = True
                 return None  # the policy would verify fewer tokens now: back to the worker's adaptive steps
         if eng.scheduler.schedule_decode_window(self.width, ahead=self.width) is None:
             return None
@@ -131,7 +134,7 @@ class ChainLoop:
     def time_from(self, start: float | None) -> None:
         """Cost the chain just started (in flight): from `start` (its engine cycle's beginning), or, None, from
         the next cycle on (a prefill shared this one)."""
-        self._timing, self._clock, self._steps = True, start, 0
+        self._timing, self._clock, self._steps, self._policy_end = True, start, 0, False
 
     def _widths(self) -> tuple[int, ...]:
         return (1, self.width)  # where a chain runs, only plain or the chain (SpecWorker.widths)
@@ -176,8 +179,12 @@ class ChainLoop:
             self._end(w)
             ada = self.worker.adaptive
             if self._timing and self._steps and ada is not None:
-                ada.costs.observe(len(w.reqs), self.width, (time.perf_counter() - self._clock) / self._steps)
-            self._timing, self._clock = False, None
+                now = time.perf_counter()
+                if self._policy_end:  # its pace; the start and end count once per switch
+                    ada.costs.observe_chain(len(w.reqs), self.width, self._steps, self._clock, *self._reads, now)
+                else:  # the batch changed: restarts come with the chain's own steps (requests end at other times)
+                    ada.costs.observe(len(w.reqs), self.width, (now - self._clock) / self._steps)
+            self._timing, self._clock, self._policy_end = False, None, False
         return outputs
 
     def _collect(self, w: InflightChain) -> list[RequestOutput]:
@@ -193,6 +200,8 @@ class ChainLoop:
         eng, width = self.engine, self.width
         if self._clock is not None:
             self._steps += 1
+            now = time.perf_counter()
+            self._reads = (now if self._steps == 1 else self._reads[0], now)
         stats.width_histogram[width] = stats.width_histogram.get(width, 0) + 1
         outputs: list[RequestOutput] = []
         for r, row in zip(w.reqs, rows):

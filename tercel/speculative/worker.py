@@ -168,7 +168,7 @@ class SpecWorker:
         if width > 1:  # the draft state catches up over the plain steps' tokens first
             self._flush(reqs, sync)
         outputs = self._spec_step(reqs, width)
-        if self.used_chain:  # a chain left in flight is costed as a whole when it ends (chain_loop.py)
+        if self.used_chain:  # a chain left in flight is costed when it ends (CostModel.observe_chain)
             width = self.num_draft_tokens
             if self.inflight:
                 if measured:
