@@ -319,7 +319,7 @@ def sample_batch(logits: torch.Tensor, reqs: list[Request], keys: torch.Tensor |
     stream key on the device (None: the requests' next draws, taken now); exact: the target's logits_exact_dtype
     (sample_rows). Token ids [len(reqs)] stay on logits' device."""
     if keys is None:
-        keys = draw_keys(reqs).to(logits.device, non_blocking=True)
+        keys = to_device(draw_keys(reqs), logits.device)
     ctx = [i for i, r in enumerate(reqs) if r.params.has_penalties or r.params.min_tokens]
     if not ctx:
         return sample_rows(logits, SamplingTensors.of([r.params for r in reqs], logits.shape[-1], logits.device),
