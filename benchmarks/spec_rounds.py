@@ -82,9 +82,10 @@ def _sync() -> None:
 def _spec_counts(llm) -> tuple:
     s = llm.engine.spec_stats()
     if s is None:
-        return 0, 0, 0, 0, 0.0, {}, 0, 0.0, 0, 0.0
+        return 0, 0, 0, 0, 0.0, {}, 0, 0.0, 0, 0.0, 0.0, 0
     return (s.verify_steps, s.accepted_tokens, s.plain_window_steps, s.chain_reads, s.chain_wait_s,
-            dict(s.width_histogram), s.worker_steps, s.worker_step_s, s.flushes, s.flush_s)
+            dict(s.width_histogram), s.worker_steps, s.worker_step_s, s.flushes, s.flush_s, s.flush_host_s,
+            s.flush_rows)
 
 
 def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
@@ -113,6 +114,7 @@ def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
     widths = {w: n - before[5].get(w, 0) for w, n in after[5].items() if n != before[5].get(w, 0)}
     worker_steps, worker_s = after[6] - before[6], after[7] - before[7]
     flushes, flush_s = after[8] - before[8], after[9] - before[9]
+    flush_host_s, flush_rows = after[10] - before[10], after[11] - before[11]
     ada = getattr(llm.engine.spec, "adaptive", None)
     # the host's wait at each chained read: near a step's device time when the device sets the pace, near 0
     # when the host does
@@ -124,6 +126,10 @@ def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
                 worker_steps=worker_steps, worker_share=round(worker_s / wall, 4),
                 # the deferred draft_extends before speculative steps (inside the worker steps): their share
                 flushes=flushes, flush_share=round(flush_s / wall, 4),
+                # per flush: its synced wall, the host's part of it (launches returned), the rows it extended
+                flush_ms=round(1e3 * flush_s / flushes, 3) if flushes else None,
+                flush_host_ms=round(1e3 * flush_host_s / flushes, 3) if flushes else None,
+                flush_rows=flush_rows // flushes if flushes else None,
                 # per request: mean time to the first token (prefill, with the drafter's), mean µs per later token
                 ttft_ms=round(1e3 * sum(ttft) / len(ttft), 3) if ttft else None,
                 decode_us_per_token=round(1e6 * sum(decode) / len(decode), 1) if decode else None,

@@ -24,6 +24,8 @@ class SpecStats:
     # adaptive: deferred draft_extends run before a speculative step (the switch from plain) and their synced wall
     flushes: int = 0
     flush_s: float = 0.0
+    flush_host_s: float = 0.0  # ... of which the host's, up to the sync (the rest: the device's queue)
+    flush_rows: int = 0  # deferred rows extended by them
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.verify_steps += 1

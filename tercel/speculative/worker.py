@@ -186,12 +186,16 @@ class SpecWorker:
         this width. Counted in, each probe (one step after a stretch) reads several chained steps' cost, and the
         policy stays off a width that pays. This cycle's clock starts after it."""
         t = time.perf_counter()
-        if self.adaptive.flush(reqs, self.drafter):
+        rows = self.adaptive.flush(reqs, self.drafter)
+        if rows:
+            launched = time.perf_counter()
             sync()  # its device time too: the step's own work queues behind it
             took = time.perf_counter() - t
             self._step_began += took
             self.stats.flushes += 1
             self.stats.flush_s += took
+            self.stats.flush_host_s += launched - t
+            self.stats.flush_rows += rows
             self.adaptive.costs.observe_switch(len(reqs), took)
 
     # ---- plain stretches at plain speed: the engine runs them as decode windows ------------------
