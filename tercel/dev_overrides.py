@@ -76,6 +76,9 @@ OVERRIDES: dict[str, EnvOverride] = {
     "TERCEL_ADAPTIVE_PROBE_SHARE": EnvOverride(
         "0.03", "adaptive speculation: the largest share of a plain stretch that a probe (its step and the deferred "
                 "draft_extend it forces) may cost, a number in (0, 1) (side-by-side runs of the probe spacing)"),
+    "TERCEL_ADAPTIVE_PROBE_MAX": EnvOverride(
+        "512", "adaptive speculation: the most plain steps between probes at a batch size, an integer >= 1 "
+               "(side-by-side runs of the probe spacing)"),
     "TERCEL_CPU_FUSED": EnvOverride(
         "1", "0: CPU decode / verify steps run the eager layer loop instead of one C++ call per decoder layer "
              "(tercel/models/cpu_fused.py; by default a model on the Q4 x Q8 kernel takes them); fp32: an fp32 "

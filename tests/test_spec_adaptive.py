@@ -766,7 +766,8 @@ def test_pinned_to_plain_the_drafter_runs_only_at_prefill(smol_llm, monkeypatch)
 
 def test_the_probe_share_switch_spaces_probes_by_its_share(monkeypatch):
     """TERCEL_ADAPTIVE_PROBE_SHARE (side-by-side runs of the probe spacing): a probe and the draft_extend it forces
-    cost at most that share of the plain stretch before it; a value outside (0, 1) is refused with the range."""
+    cost at most that share of the plain stretch before it; a value outside (0, 1) is refused with the range.
+    TERCEL_ADAPTIVE_PROBE_MAX caps the stretch; anything but a positive integer is refused."""
     def stretch() -> int:
         ada = AdaptiveSpec.for_batches(8)
         ada.costs.forward_s.update({(1, 1): 2.0 ** -10, (1, 4): 2.0 ** -8})  # a width-4 step costs 4 plain steps
@@ -780,4 +781,12 @@ def test_the_probe_share_switch_spaces_probes_by_its_share(monkeypatch):
     for bad in ("0", "1.5", "often"):
         monkeypatch.setenv("TERCEL_ADAPTIVE_PROBE_SHARE", bad)
         with pytest.raises(ConfigError, match=f"TERCEL_ADAPTIVE_PROBE_SHARE='{bad}' must be a number in"):
+            AdaptiveSpec.for_batches(8)
+    monkeypatch.setenv("TERCEL_ADAPTIVE_PROBE_SHARE", "0.01")
+    assert stretch() == 400
+    monkeypatch.setenv("TERCEL_ADAPTIVE_PROBE_MAX", "256")  # the cap on the stretch
+    assert stretch() == 256
+    for bad in ("0", "-4", "2.5", "never"):
+        monkeypatch.setenv("TERCEL_ADAPTIVE_PROBE_MAX", bad)
+        with pytest.raises(ConfigError, match=f"TERCEL_ADAPTIVE_PROBE_MAX='{bad}' must be an integer >= 1"):
             AdaptiveSpec.for_batches(8)

@@ -57,6 +57,8 @@ HOPELESS_AFTER = 3  # ... once that cost rests on this many real steps
 SWITCH_GAIN = 1.05  # from plain, speculation must promise this much more (a switch costs a draft_extend)
 FLOOR_SMOOTHING = 0.25  # weight of the newest batch in AdaptiveSpec.floors
 PROBE_SHARE = 0.03  # a probe may cost at most this share of the plain stretch after it (by the measured costs)
+PROBE_FIRST = 32  # plain steps before a bucket's first probe
+PROBE_MAX = 512  # the most plain steps between probes (TERCEL_ADAPTIVE_PROBE_MAX)
 
 
 def check_adaptive(value: object) -> bool:
@@ -302,8 +304,8 @@ class WidthPolicy:
     policy widen on its merits. The back-off starts over only after speculation held for probe_first steps: a
     probe whose speculation stops again at once (it paid on paper, not in the steps it then measured) does not
     shorten the next stretch. Stretches and back-off are kept per batch bucket (ProbeSchedule)."""
-    probe_first: int = 32
-    probe_max: int = 512
+    probe_first: int = PROBE_FIRST
+    probe_max: int = PROBE_MAX
     probe_share: float = PROBE_SHARE
     width: int = 1  # the last width chosen on its merits (1: plain)
     schedules: dict[int, ProbeSchedule] = field(default_factory=dict)
@@ -423,8 +425,14 @@ class AdaptiveSpec:
         if not 0.0 < probe_share < 1.0:
             raise ConfigError(f"TERCEL_ADAPTIVE_PROBE_SHARE={share!r} must be a number in (0, 1) "
                               f"(unset: {PROBE_SHARE})")
-        return cls(CostModel(default_buckets(max_num_seqs)), WidthPolicy(probe_share=probe_share), lowest=rule == "min",
-                   pinned=pin == "plain")
+        most = env("TERCEL_ADAPTIVE_PROBE_MAX")
+        probe_max = int(most) if most.isdigit() else 0
+        if probe_max < 1:
+            raise ConfigError(f"TERCEL_ADAPTIVE_PROBE_MAX={most!r} must be an integer >= 1 (unset: "
+                              f"{PROBE_MAX})")
+        policy = WidthPolicy(probe_first=min(PROBE_FIRST, probe_max), probe_max=probe_max,
+                             probe_share=probe_share)
+        return cls(CostModel(default_buckets(max_num_seqs)), policy, lowest=rule == "min", pinned=pin == "plain")
 
     def alphas(self, reqs: Sequence[Request], queued: bool) -> list[float]:
         """The acceptance the policy weighs for each request. queued (requests wait for a slot): the batch's
