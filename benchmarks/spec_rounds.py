@@ -82,10 +82,10 @@ def _sync() -> None:
 def _spec_counts(llm) -> tuple:
     s = llm.engine.spec_stats()
     if s is None:
-        return 0, 0, 0, 0, 0.0, {}, 0, 0.0, 0, 0.0, 0.0, 0
+        return 0, 0, 0, 0, 0.0, {}, 0, 0.0, 0, 0.0, 0.0, 0, 0, 0.0
     return (s.verify_steps, s.accepted_tokens, s.plain_window_steps, s.chain_reads, s.chain_wait_s,
             dict(s.width_histogram), s.worker_steps, s.worker_step_s, s.flushes, s.flush_s, s.flush_host_s,
-            s.flush_rows)
+            s.flush_rows, s.probes, s.probe_s)
 
 
 def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
@@ -115,6 +115,7 @@ def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
     worker_steps, worker_s = after[6] - before[6], after[7] - before[7]
     flushes, flush_s = after[8] - before[8], after[9] - before[9]
     flush_host_s, flush_rows = after[10] - before[10], after[11] - before[11]
+    probes, probe_s = after[12] - before[12], after[13] - before[13]
     ada = getattr(llm.engine.spec, "adaptive", None)
     # the host's wait at each chained read: near a step's device time when the device sets the pace, near 0
     # when the host does
@@ -130,6 +131,9 @@ def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
                 flush_ms=round(1e3 * flush_s / flushes, 3) if flushes else None,
                 flush_host_ms=round(1e3 * flush_host_s / flushes, 3) if flushes else None,
                 flush_rows=flush_rows // flushes if flushes else None,
+                # probes measured whole (window read before to window read after, less the plain steps' worth of
+                # tokens gained): how many, and their mean cost
+                probes=probes, probe_ms=round(1e3 * probe_s / probes, 3) if probes else None,
                 # per request: mean time to the first token (prefill, with the drafter's), mean µs per later token
                 ttft_ms=round(1e3 * sum(ttft) / len(ttft), 3) if ttft else None,
                 decode_us_per_token=round(1e6 * sum(decode) / len(decode), 1) if decode else None,

@@ -802,7 +802,7 @@ class LLMEngine:
             self.sink.emit(outputs, r)
         if w.spec_plain:  # the pace of back-to-back plain windows is what a plain step costs here
             pace = None if self._last_plain_window is None else (now - self._last_plain_window) / w.num_steps
-            self.spec.after_plain_window(w.reqs, w.hidden, w.num_steps, pace)
+            self.spec.after_plain_window(w.reqs, w.hidden, w.num_steps, pace, now)
         self._last_plain_window = now if w.spec_plain else None
         return outputs
 

@@ -124,6 +124,50 @@ def test_a_probe_is_spaced_by_the_draft_extend_it_forces_too():
     assert costs.probe_s(16, 2) == costs.step_s(16, 2) == 0.002
 
 
+def test_a_probe_measured_whole_spaces_the_next_ones_where_it_cost_more_than_its_parts():
+    """A probe's parts (its step, the flush it forces) leave out what leaving the plain windows costs around them: the
+    overlap schedule's pipeline drained and refilled, a chain's start and end, steps that lose after it. Measured whole
+    (the last window read before it to the first after, less the plain steps' worth of tokens gained), the recent
+    median spaces the probes where it is dearer than the parts; a cheaper one leaves the parts' estimate standing."""
+    costs = _costs({1: 0.001, 2: 0.0015, 4: 0.0016, 6: 0.0017}, bucket=16)
+    assert costs.probe_cost_s(16) is None
+    parts = WidthPolicy().probe(costs, 16, WIDTHS)
+    assert parts == (2, math.ceil(0.0015 / (PROBE_SHARE * 0.001)))
+    for took in (0.012, 0.009, -0.002):  # a probe that gained counts as costing nothing
+        costs.observe_probe(16, took)
+    assert costs.probe_cost_s(16) == 0.009
+    assert WidthPolicy().probe(costs, 16, WIDTHS) == (2, math.ceil(0.009 / (PROBE_SHARE * 0.001)))
+    for _ in range(9):  # the recent ones only (OBSERVED_WINDOW): probes as cheap as their parts say
+        costs.observe_probe(16, 0.001)
+    assert WidthPolicy().probe(costs, 16, WIDTHS) == parts
+
+
+def test_the_worker_measures_a_probe_from_the_window_read_before_it_to_the_one_after():
+    """SpecWorker._close_excursion: the time since the window read before the probe, less the tokens each request
+    gained meanwhile at the plain step's cost; nothing where the batch changed or a request finished in between."""
+    from types import SimpleNamespace
+
+    from tercel.speculative.stats import SpecStats
+    from tercel.speculative.worker import SpecWorker
+
+    ada = AdaptiveSpec(_costs({1: 0.001, 6: 0.002}, bucket=4))
+    for _ in range(HOPELESS_AFTER):
+        ada.costs.observe(4, 1, 0.001)  # the first is one-time work; the plain step costs 1 ms
+    reqs = [SimpleNamespace(num_computed_tokens=100, finish_reason=None) for _ in range(4)]
+    worker = SimpleNamespace(adaptive=ada, stats=SpecStats(), _excursion=(10.0, list(reqs), 400))
+    for r in reqs:
+        r.num_computed_tokens += 10  # a probe that accepted a few drafts, then the window's own steps
+    SpecWorker._close_excursion(worker, reqs, 10.020)
+    assert worker._excursion is None and worker.stats.probes == 1
+    assert ada.costs.probe_cost_s(4) == pytest.approx(0.020 - 10 * 0.001)
+    worker._excursion = (11.0, list(reqs), 440)
+    SpecWorker._close_excursion(worker, reqs[:3], 11.050)  # a request left the batch: no measurement
+    reqs[0].finish_reason = "length"
+    worker._excursion = (12.0, list(reqs), 440)
+    SpecWorker._close_excursion(worker, reqs, 12.050)  # one finished inside the window: none either
+    assert worker.stats.probes == 1 and len(ada.costs.probes_s[4]) == 1
+
+
 def test_a_plain_grant_counts_down_the_stretch_fixed_when_it_was_granted():
     """A plain stretch is fixed when granted; its windows only count what is left of it (no policy work per
     window), and a probe's stretch after it is decided afresh."""
@@ -428,6 +472,8 @@ def test_plain_stretches_run_as_decode_windows_and_stay_lossless(smol_llm, promp
     stats = llm.engine.spec_stats()
     assert stats.plain_window_steps > 0 and stats.width_histogram.get(min(w for w in widths if w > 1), 0) > 0
     assert stats.accepted_tokens > 0  # probes after deferred extends still accept drafts
+    # probes between plain windows are measured whole, from the window read before each to the first after it
+    assert stats.probes > 0 and 0 < len(ada.costs.probes_s[len(prompts)]) <= stats.probes
     assert llm.engine.stats().kv_blocks_used == 0
 
 

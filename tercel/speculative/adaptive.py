@@ -147,6 +147,9 @@ class CostModel:
     switches_s: dict[int, collections.deque] = field(default_factory=dict)  # bucket -> recent flushes' seconds
     # bucket -> recent chain runs' seconds beyond their steps' pace (the start before the first read, the end)
     excursions_s: dict[int, collections.deque] = field(default_factory=dict)
+    # bucket -> recent probes' whole cost: from the last plain window read before one to the first after it, less
+    # the plain steps' worth of tokens the batch gained in between (CostModel.observe_probe)
+    probes_s: dict[int, collections.deque] = field(default_factory=dict)
     stale: set[tuple[int, int]] = field(default_factory=set)  # keys observed since their median was taken
     bucket_of: dict[int, int] = field(default_factory=dict)  # batch size -> its bucket (asked several times a step)
     smoothing: float = 0.25  # weight of the newest step in the overhead's moving average
@@ -232,6 +235,18 @@ class CostModel:
         recent = self.excursions_s.setdefault(self.bucket(batch_size), collections.deque(maxlen=OBSERVED_WINDOW))
         recent.append(max(0.0, ended - began - steps * pace))
 
+    def observe_probe(self, batch_size: int, cost_s: float) -> None:
+        """A probe, from the last plain window read before it to the first one after, cost cost_s beyond the plain
+        steps it stood in for: its flush, its steps, the chain's start and end, the overlap schedule's pipeline
+        drained and refilled around it, whatever its parts' costs leave out. Negative: it gained (counted as 0)."""
+        recent = self.probes_s.setdefault(self.bucket(batch_size), collections.deque(maxlen=OBSERVED_WINDOW))
+        recent.append(max(0.0, cost_s))
+
+    def probe_cost_s(self, batch_size: int) -> float | None:
+        """The median whole cost of the recent probes at this batch's bucket (None: none measured yet)."""
+        recent = self.probes_s.get(self.bucket(batch_size))
+        return statistics.median(recent) if recent else None
+
     def switch_s(self, batch_size: int) -> float:
         """What a switch to speculation costs beyond its steps at this batch's bucket (0: none seen): the median
         deferred draft_extend before it and the median chain run's start and end."""
@@ -308,6 +323,7 @@ class WidthPolicy:
     probe_max: int = PROBE_MAX
     probe_share: float = PROBE_SHARE
     width: int = 1  # the last width chosen on its merits (1: plain)
+    probed: bool = False  # the last choice was a probe
     schedules: dict[int, ProbeSchedule] = field(default_factory=dict)
 
     def schedule(self, costs: CostModel, batch_size: int) -> ProbeSchedule:
@@ -337,6 +353,9 @@ class WidthPolicy:
         payable = [w for w in spec if self.could_pay(costs, batch_size, w)] or spec  # none: choose() stays plain
         w = min(payable, key=lambda w: (costs.step_s(batch_size, w), w))
         cost = costs.probe_s(batch_size, w) + costs.switch_s(batch_size)  # the draft_extend the probe forces too
+        seen = costs.probe_cost_s(batch_size)  # what whole probes cost here, where more than their parts say
+        if seen is not None:
+            cost = max(cost, seen)
         dear = math.ceil(cost / (self.probe_share * costs.step_s(batch_size, 1)))
         return w, min(max(self.schedule(costs, batch_size).every, dear), self.probe_max)
 
@@ -352,7 +371,7 @@ class WidthPolicy:
     def choose(self, costs: CostModel, batch_size: int, alphas: Sequence[float], widths: Sequence[int]) -> int:
         s = self.schedule(costs, batch_size)
         w = self.best(costs, batch_size, alphas, widths)
-        self.width = w
+        self.width, self.probed = w, False
         if w > 1 or len(widths) == 1:
             s.plain_run = 0
             s.spec_run += 1
@@ -366,7 +385,8 @@ class WidthPolicy:
             return 1
         # the next stretch: twice this one, and long enough that this probe is at most probe_share of it
         s.plain_run, s.every = 0, min(max(2 * s.every, stretch), self.probe_max)
-        return w if self.could_pay(costs, batch_size, w) else 1
+        self.probed = self.could_pay(costs, batch_size, w)
+        return w if self.probed else 1
 
     @staticmethod
     def could_pay(costs: CostModel, batch_size: int, width: int) -> bool:
@@ -459,6 +479,7 @@ class AdaptiveSpec:
     def choose(self, reqs: Sequence[Request], widths: Sequence[int],
                prepare: Callable[[int, int], Callable[[], None]], sync: Callable[[], None],
                queued: bool = False) -> int:
+        self.policy.probed = False
         if self.pinned:
             return 1
         if not self.costs.knows(len(reqs), widths):

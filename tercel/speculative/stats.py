@@ -26,6 +26,10 @@ class SpecStats:
     flush_s: float = 0.0
     flush_host_s: float = 0.0  # ... of which the host's, up to the sync (the rest: the device's queue)
     flush_rows: int = 0  # deferred rows extended by them
+    # adaptive: probes measured whole (from the plain window read before one to the first after it) and what they
+    # cost beyond the plain steps they stood in for (CostModel.observe_probe)
+    probes: int = 0
+    probe_s: float = 0.0
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.verify_steps += 1

@@ -74,6 +74,10 @@ class SpecWorker:
         self._step_began = 0.0
         self._open_step: tuple[int, int, float] | None = None  # (batch size, width, cycle start)
         self._plain_grant: tuple[list[Request], PlainGrant] | None = None  # the batch plain_window's answer is for
+        # a probe's whole cost (CostModel.observe_probe): the last plain window read (time, batch), and a probe's
+        # excursion from it (that read's time, the batch, its tokens then) until the next window read
+        self._window_read: tuple[float, list[Request]] | None = None
+        self._excursion: tuple[float, list[Request], int] | None = None
         # a plain window's forward: the one-token verify (it returns the drafter's hidden rows), else the decode
         self._plain_kind = DECODE if drafter.capture_hidden_mode == CaptureHiddenMode.NULL else verify_key(1)
 
@@ -165,6 +169,9 @@ class SpecWorker:
         widths = self.widths(len(reqs), reqs)
         measured = ada.costs.knows(len(reqs), widths)  # else this step measures forwards (not timed)
         width = ada.choose(reqs, widths, self._dummy_forward, sync, bool(self.engine.scheduler.waiting))
+        read = self._window_read
+        if ada.policy.probed and self._excursion is None and read is not None and same_batch(read[1], reqs):
+            self._excursion = (read[0], list(reqs), sum(r.num_computed_tokens for r in reqs))
         if width > 1:  # the draft state catches up over the plain steps' tokens first
             self._flush(reqs, sync)
         outputs = self._spec_step(reqs, width)
@@ -245,16 +252,36 @@ class SpecWorker:
             self.adaptive.ran_plain(num_steps, len(reqs), None)
 
     def after_plain_window(self, reqs: list[Request], hidden: torch.Tensor | None, num_steps: int,
-                           wall_s_per_step: float | None) -> None:
-        """A window's tokens are appended: keep the hidden rows of the requests that go on ([num_steps, B, H],
-        request i's column) for their next draft_extend, and count the window's pace in the cost model."""
+                           wall_s_per_step: float | None, now: float | None = None) -> None:
+        """A window's tokens are appended (read back at `now`): keep the hidden rows of the requests that go on
+        ([num_steps, B, H], request i's column) for their next draft_extend, count the window's pace in the cost
+        model, and close a probe's excursion."""
         ada = self.adaptive
+        now = time.perf_counter() if now is None else now
         if wall_s_per_step is not None:
             ada.costs.observe(len(reqs), 1, wall_s_per_step)
+        if self._excursion is not None:
+            self._close_excursion(reqs, now)
+        self._window_read = (now, reqs)
         self.stats.width_histogram[1] = self.stats.width_histogram.get(1, 0) + num_steps
         self.stats.plain_window_steps += num_steps
         if hidden is not None:  # the window's stacked rows are its own tensor (the engine's decode window)
             ada.defer_window(reqs, hidden, self.drafter)
+
+    def _close_excursion(self, reqs: list[Request], now: float) -> None:
+        """The first plain window read after a probe: what the probe cost is the time since the window read before
+        it, less what plain steps would have taken for the tokens the batch gained meanwhile. Only over an unchanged
+        batch (a request that arrived or finished in between changes both the time and the tokens)."""
+        began, batch, tokens = self._excursion
+        self._excursion = None
+        if not same_batch(batch, reqs) or any(r.finish_reason is not None for r in reqs):
+            return
+        ada = self.adaptive
+        gained = (sum(r.num_computed_tokens for r in reqs) - tokens) / len(reqs)
+        cost = now - began - gained * ada.costs.step_s(len(reqs), 1)
+        ada.costs.observe_probe(len(reqs), cost)
+        self.stats.probes += 1
+        self.stats.probe_s += cost
 
     def _dummy_forward(self, batch_size: int, width: int) -> Callable[[], None]:
         """The forward a step of this width runs, over a dummy batch (every slot in the dummy block 0) whose
