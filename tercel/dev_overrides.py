@@ -69,7 +69,9 @@ OVERRIDES: dict[str, EnvOverride] = {
     "TERCEL_ADAPTIVE_BATCH_ALPHA": EnvOverride(
         "min", "adaptive speculation with no request queued: min (every request at the batch's lowest alpha, a new "
                "batch's unverified requests at the floor its size showed), mean (each at its own, as when requests "
-               "queue; side-by-side measurements of the two rules)"),
+               "queue), pooled (min, each request's alpha first shrunk toward the batch's pooled one by the share of "
+               "the spread that noise explains: the lowest of noisy estimates sits well under their common value; "
+               "side-by-side runs)"),
     "TERCEL_ADAPTIVE_PIN": EnvOverride(
         "", "plain: adaptive speculation runs every decode step plain (as the engine's decode windows, hidden rows "
             "kept for the deferred draft_extend, no probes): the plain stretches' own cost beside the plain engine"),

@@ -25,6 +25,7 @@ from tercel.speculative.adaptive import (
     candidate_widths,
     check_adaptive,
     expected_tokens,
+    shrunk_alphas,
 )
 
 WIDTHS = (1, 2, 4, 6)
@@ -342,12 +343,43 @@ def test_a_new_batch_is_weighed_at_the_lowest_acceptance_batches_of_its_size_sho
 def test_the_batch_alpha_rule_switch(monkeypatch):
     monkeypatch.setenv("TERCEL_ADAPTIVE_BATCH_ALPHA", "mean")
     assert not AdaptiveSpec.for_batches(8).lowest
+    monkeypatch.setenv("TERCEL_ADAPTIVE_BATCH_ALPHA", "pooled")
+    assert AdaptiveSpec.for_batches(8).lowest and AdaptiveSpec.for_batches(8).pooled
     monkeypatch.setenv("TERCEL_ADAPTIVE_BATCH_ALPHA", "lowest")
-    with pytest.raises(ConfigError, match="TERCEL_ADAPTIVE_BATCH_ALPHA='lowest' must be min or mean"):
+    with pytest.raises(ConfigError, match="TERCEL_ADAPTIVE_BATCH_ALPHA='lowest' must be min, mean or pooled"):
         AdaptiveSpec.for_batches(8)
     monkeypatch.delenv("TERCEL_ADAPTIVE_BATCH_ALPHA")
-    assert AdaptiveSpec.for_batches(8).lowest
+    assert AdaptiveSpec.for_batches(8).lowest and not AdaptiveSpec.for_batches(8).pooled
 
+
+def test_the_pooled_rule_damps_the_noise_of_the_lowest_alpha_but_not_a_request_that_rejects():
+    """The lowest of 16 noisy estimates of one acceptance sits well under it: at T = 0 over 16 requests on an H100
+    (da4a751) the min rule kept the EAGLE-3 chain plain (0.96x plain) where it paid 1.26x, as the mean rule found.
+    pooled shrinks each request's alpha toward the batch's pooled one by the share of their spread that noise
+    explains: a batch that accepts alike then speculates, one with a request that rejects every draft does not."""
+    import random
+
+    costs = _costs({1: 0.001, 6: 0.00225}, bucket=16)  # a chained step: 2.25 plain steps
+    widths = (1, 6)
+    ada = AdaptiveSpec(costs, pooled=True)
+    raw = AdaptiveSpec(costs)  # the min rule over the same requests' stats
+    rng = random.Random(0)
+    reqs = [Request(f"r{i}", None, [0], None, None, None) for i in range(16)]
+    for r in reqs:  # every draft accepted with probability 0.7 given its parent was
+        for _ in range(12):
+            accepted = 0
+            while accepted < 5 and rng.random() < 0.7:
+                accepted += 1
+            ada.record(r, 5, accepted)
+    alphas = raw.alphas(reqs, queued=True)
+    assert min(alphas) < 0.5 < 0.6 < ada.alphas(reqs, queued=False)[0] < 0.7
+    assert WidthPolicy().best(costs, 16, raw.alphas(reqs, queued=False), widths) == 1
+    assert WidthPolicy().best(costs, 16, ada.alphas(reqs, queued=False), widths) == 6
+    for _ in range(12):  # one request rejects every first draft: the batch must not speculate
+        ada.record(reqs[0], 5, 0)
+    assert ada.alphas(reqs, queued=False)[0] < 0.6
+    assert WidthPolicy().best(costs, 16, ada.alphas(reqs, queued=False), widths) == 1
+    assert shrunk_alphas([RequestAcceptStats(3.0, 5.0)]) == [0.6]  # one request: its own
 
 def test_small_batches_defer_their_draft_extend_longer():
     """Each plain stretch of a drafter that reads hidden states ran a draft_extend every 128 rows, also at one
