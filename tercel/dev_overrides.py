@@ -67,11 +67,10 @@ OVERRIDES: dict[str, EnvOverride] = {
         "1", "0: greedy EAGLE chains run as separate draft / verify / extend graphs instead of one chained "
              "graph step (side-by-side measurements)"),
     "TERCEL_ADAPTIVE_BATCH_ALPHA": EnvOverride(
-        "min", "adaptive speculation with no request queued: min (every request at the batch's lowest alpha, a new "
-               "batch's unverified requests at the floor its size showed), mean (each at its own, as when requests "
-               "queue), pooled (min, each request's alpha first shrunk toward the batch's pooled one by the share of "
-               "the spread that noise explains: the lowest of noisy estimates sits well under their common value; "
-               "side-by-side runs)"),
+        "pooled", "adaptive speculation with no request queued: pooled (every request at the batch's lowest alpha once "
+                  "each request's is shrunk toward the batch's pooled one by the share of their spread that noise "
+                  "explains; a new batch's unverified requests at the floor its size showed), min (the lowest raw "
+                  "alpha), mean (each at its own, as when requests queue); side-by-side runs of the rules"),
     "TERCEL_ADAPTIVE_PIN": EnvOverride(
         "", "plain: adaptive speculation runs every decode step plain (as the engine's decode windows, hidden rows "
             "kept for the deferred draft_extend, no probes): the plain stretches' own cost beside the plain engine"),
@@ -79,7 +78,7 @@ OVERRIDES: dict[str, EnvOverride] = {
         "0.03", "adaptive speculation: the largest share of a plain stretch that a probe (its step and the deferred "
                 "draft_extend it forces) may cost, a number in (0, 1) (side-by-side runs of the probe spacing)"),
     "TERCEL_ADAPTIVE_PROBE_MAX": EnvOverride(
-        "512", "adaptive speculation: the most plain steps between probes at a batch size, an integer >= 1 "
+        "2048", "adaptive speculation: the most plain steps between probes at a batch size, an integer >= 1 "
                "(side-by-side runs of the probe spacing)"),
     "TERCEL_CPU_FUSED": EnvOverride(
         "1", "0: CPU decode / verify steps run the eager layer loop instead of one C++ call per decoder layer "

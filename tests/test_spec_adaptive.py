@@ -96,7 +96,7 @@ def test_a_dear_probe_is_a_small_share_of_the_stretches_before_and_after_it():
     ten plain steps, and probes every 32-64 steps took 25% of a pass: the stretches on either side of a probe are
     long enough that it is at most PROBE_SHARE of each."""
     costs = _costs({1: 0.001, 2: 0.0015, 4: 0.0035, 6: 0.0055}, overhead=0.0085)  # the forwards could pay
-    policy = WidthPolicy()
+    policy = WidthPolicy(probe_max=512)
     picks = [policy.choose(costs, 256, [0.1], WIDTHS) for _ in range(1200)]
     probes = [i for i, w in enumerate(picks) if w > 1]
     stretch = math.ceil(0.010 / (PROBE_SHARE * 0.001))  # 10 plain steps' probe / 3%
@@ -292,15 +292,21 @@ def test_a_plain_pace_on_few_windows_is_at_most_the_synced_forward():
 def test_with_no_request_queued_no_request_may_lose():
     """A batch whose finished slots are not refilled ends at its slowest member's pace: SmolLM2 EAGLE-3 at T = 1
     over 16 requests on an H100 drafted on a mean acceptance that paid on paper and ran 0.71x plain. With nothing
-    queued every request is weighed at the batch's lowest alpha; with requests queued, at its own (throughput)."""
+    queued every request is weighed at the batch's lowest alpha; with requests queued, at its own (throughput).
+    (Under the pooled rule a request that rejected the first draft six times reads ~0.19, not its raw ~0.12: a width
+    whose step cost under ~1.2 plain steps would still be weighed for it; a GPU's cheapest costs ~2.)"""
     reqs = [Request(f"r{i}", None, [0], None, None, None) for i in range(4)]
-    ada = AdaptiveSpec(_costs({1: 0.001, 2: 0.0011, 4: 0.0012, 6: 0.0016}, bucket=4))
+    ada = AdaptiveSpec(_costs({1: 0.001, 2: 0.0013, 4: 0.0015, 6: 0.0016}, bucket=4))
     for r, (drafts, accepted) in zip(reqs, ((5, 5), (5, 5), (5, 5), (5, 0))):
         for _ in range(6):
             ada.record(r, drafts, accepted)
     alphas = ada.alphas(reqs, queued=True)
     assert min(alphas) < 0.2 and max(alphas) > 0.9
+    low = min(shrunk_alphas([r.spec_adaptive for r in reqs]))  # the lowest, its noise damped (pooled)
+    assert low < 0.3 and ada.alphas(reqs, queued=False) == [low] * 4
+    ada.pooled = False  # TERCEL_ADAPTIVE_BATCH_ALPHA=min: the lowest raw alpha
     assert ada.alphas(reqs, queued=False) == [min(alphas)] * 4
+    ada.pooled = True
     assert ada.alphas(reqs[:1], queued=False) == alphas[:1]
     assert WidthPolicy().best(ada.costs, 4, ada.alphas(reqs, queued=True), WIDTHS) == 6
     assert WidthPolicy().best(ada.costs, 4, ada.alphas(reqs, queued=False), WIDTHS) == 1
@@ -314,7 +320,7 @@ def test_a_new_batch_is_weighed_at_the_lowest_acceptance_batches_of_its_size_sho
     speculative steps 0.83-0.94x. Once a batch of a size was verified whole, a new batch of that size is weighed
     at that batch's lowest alpha (a moving average over such batches); a single request keeps the prior."""
     costs = _costs({1: 0.001, 2: 0.0013, 4: 0.0014, 6: 0.0016}, bucket=4)
-    ada = AdaptiveSpec(costs)
+    ada = AdaptiveSpec(costs, pooled=False)  # the floors are the same under the pooled rule, of damped alphas
     for _ in range(20):  # the recent mean: 0.8
         ada.recent.record(5, 4, decay=0.95)
     fresh = [Request(f"new{i}", None, [0], None, None, None) for i in range(4)]
@@ -343,13 +349,13 @@ def test_a_new_batch_is_weighed_at_the_lowest_acceptance_batches_of_its_size_sho
 def test_the_batch_alpha_rule_switch(monkeypatch):
     monkeypatch.setenv("TERCEL_ADAPTIVE_BATCH_ALPHA", "mean")
     assert not AdaptiveSpec.for_batches(8).lowest
-    monkeypatch.setenv("TERCEL_ADAPTIVE_BATCH_ALPHA", "pooled")
-    assert AdaptiveSpec.for_batches(8).lowest and AdaptiveSpec.for_batches(8).pooled
+    monkeypatch.setenv("TERCEL_ADAPTIVE_BATCH_ALPHA", "min")
+    assert AdaptiveSpec.for_batches(8).lowest and not AdaptiveSpec.for_batches(8).pooled
     monkeypatch.setenv("TERCEL_ADAPTIVE_BATCH_ALPHA", "lowest")
-    with pytest.raises(ConfigError, match="TERCEL_ADAPTIVE_BATCH_ALPHA='lowest' must be min, mean or pooled"):
+    with pytest.raises(ConfigError, match="TERCEL_ADAPTIVE_BATCH_ALPHA='lowest' must be pooled, min or mean"):
         AdaptiveSpec.for_batches(8)
     monkeypatch.delenv("TERCEL_ADAPTIVE_BATCH_ALPHA")
-    assert AdaptiveSpec.for_batches(8).lowest and not AdaptiveSpec.for_batches(8).pooled
+    assert AdaptiveSpec.for_batches(8).lowest and AdaptiveSpec.for_batches(8).pooled
 
 
 def test_the_pooled_rule_damps_the_noise_of_the_lowest_alpha_but_not_a_request_that_rejects():
@@ -361,8 +367,8 @@ def test_the_pooled_rule_damps_the_noise_of_the_lowest_alpha_but_not_a_request_t
 
     costs = _costs({1: 0.001, 6: 0.00225}, bucket=16)  # a chained step: 2.25 plain steps
     widths = (1, 6)
-    ada = AdaptiveSpec(costs, pooled=True)
-    raw = AdaptiveSpec(costs)  # the min rule over the same requests' stats
+    ada = AdaptiveSpec(costs)  # the default: pooled
+    raw = AdaptiveSpec(costs, pooled=False)  # the min rule over the same requests' stats
     rng = random.Random(0)
     reqs = [Request(f"r{i}", None, [0], None, None, None) for i in range(16)]
     for r in reqs:  # every draft accepted with probability 0.7 given its parent was

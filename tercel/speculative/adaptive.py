@@ -58,7 +58,7 @@ SWITCH_GAIN = 1.05  # from plain, speculation must promise this much more (a swi
 FLOOR_SMOOTHING = 0.25  # weight of the newest batch in AdaptiveSpec.floors
 PROBE_SHARE = 0.03  # a probe may cost at most this share of the plain stretch after it (by the measured costs)
 PROBE_FIRST = 32  # plain steps before a bucket's first probe
-PROBE_MAX = 512  # the most plain steps between probes (TERCEL_ADAPTIVE_PROBE_MAX)
+PROBE_MAX = 2048  # the most plain steps between probes (TERCEL_ADAPTIVE_PROBE_MAX)
 
 
 def check_adaptive(value: object) -> bool:
@@ -445,14 +445,14 @@ class AdaptiveSpec:
     # requests not verified yet is weighed at, since the lowest of several unknown alphas sits well below their mean
     floors: dict[int, float] = field(default_factory=dict)
     lowest: bool = True  # with nothing queued, weigh the batch at its lowest alpha (TERCEL_ADAPTIVE_BATCH_ALPHA)
-    pooled: bool = False  # ... each request's alpha first shrunk toward the batch's pooled one (shrunk_alphas)
+    pooled: bool = True  # ... each request's alpha first shrunk toward the batch's pooled one (shrunk_alphas)
     pinned: bool = False  # TERCEL_ADAPTIVE_PIN=plain: every decode step plain, no probes (a measurement switch)
 
     @classmethod
     def for_batches(cls, max_num_seqs: int) -> "AdaptiveSpec":
         rule = env("TERCEL_ADAPTIVE_BATCH_ALPHA")
-        if rule not in ("min", "mean", "pooled"):
-            raise ConfigError(f"TERCEL_ADAPTIVE_BATCH_ALPHA={rule!r} must be min, mean or pooled (unset: min)")
+        if rule not in ("pooled", "min", "mean"):
+            raise ConfigError(f"TERCEL_ADAPTIVE_BATCH_ALPHA={rule!r} must be pooled, min or mean (unset: pooled)")
         pin = env("TERCEL_ADAPTIVE_PIN")
         if pin not in ("", "plain"):
             raise ConfigError(f"TERCEL_ADAPTIVE_PIN={pin!r} must be plain or unset")
