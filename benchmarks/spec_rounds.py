@@ -88,6 +88,31 @@ def _spec_counts(llm) -> tuple:
             s.flush_rows, s.probes, s.probe_s)
 
 
+class GcPauses:
+    """Python's cyclic collector's pauses while a pass runs (gc.callbacks): a collection that lands inside a step
+    stalls the host there (a flush's host time at 16 requests on an H200 read 4-23 ms, out of proportion to its
+    rows)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.count, self.full = 0.0, 0, 0
+        self._began = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._began
+            self.count += 1
+            self.full += info.get("generation") == 2
+
+    def __enter__(self) -> "GcPauses":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
 def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
     """One pass: every conversation once, `c` at a time. tok/s over the whole wall time (prefill included)."""
     from tercel import SamplingParams
@@ -98,16 +123,17 @@ def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
     _sync()
     t0 = time.perf_counter()
     n, ttft, decode = 0, [], []
-    for start in range(0, len(convs), c):
-        batch = convs[start:start + c]
-        outs = llm.chat(batch, params[:len(batch)])
-        n += sum(len(o.outputs[0].token_ids) for o in outs)
-        for o in outs:  # a request's time to its first token (prefill), then its steady decode pace
-            m = o.metrics
-            ttft.append(m.time_to_first_token or 0.0)
-            if m.decode_tokens_per_s:
-                decode.append(1.0 / m.decode_tokens_per_s)
-    _sync()
+    with GcPauses() as pauses:
+        for start in range(0, len(convs), c):
+            batch = convs[start:start + c]
+            outs = llm.chat(batch, params[:len(batch)])
+            n += sum(len(o.outputs[0].token_ids) for o in outs)
+            for o in outs:  # a request's time to its first token (prefill), then its steady decode pace
+                m = o.metrics
+                ttft.append(m.time_to_first_token or 0.0)
+                if m.decode_tokens_per_s:
+                    decode.append(1.0 / m.decode_tokens_per_s)
+        _sync()
     wall = time.perf_counter() - t0
     after = _spec_counts(llm)
     steps, acc, plain_w, reads, wait = (a - b for a, b in zip(after[:5], before[:5]))
@@ -134,6 +160,8 @@ def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
                 # probes measured whole (window read before to window read after, less the plain steps' worth of
                 # tokens gained): how many, and their mean cost
                 probes=probes, probe_ms=round(1e3 * probe_s / probes, 3) if probes else None,
+                # Python's cyclic collector inside the pass: its pauses' share, how many, how many of them full
+                gc_share=round(pauses.seconds / wall, 4), gc_collections=pauses.count, gc_full=pauses.full,
                 # per request: mean time to the first token (prefill, with the drafter's), mean µs per later token
                 ttft_ms=round(1e3 * sum(ttft) / len(ttft), 3) if ttft else None,
                 decode_us_per_token=round(1e6 * sum(decode) / len(decode), 1) if decode else None,
