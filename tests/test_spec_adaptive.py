@@ -169,6 +169,28 @@ def test_the_worker_measures_a_probe_from_the_window_read_before_it_to_the_one_a
     assert worker.stats.probes == 1 and len(ada.costs.probes_s[4]) == 1
 
 
+def test_a_plain_step_through_the_worker_is_no_plain_cost_where_windows_set_it():
+    """Where plain windows' paces set a bucket's plain cost, a plain step that goes through the worker (the policy
+    asked again after a chain run or a probe: a synced, unchained step) is a transition, not what plain costs: on an
+    H200 (ab9d41b) such steps held a plain step at one request at 0.85-0.98 ms against ~0.5 ms in the passes that
+    chained most. Speculative steps through the worker are still costed by their cycle."""
+    from types import SimpleNamespace
+
+    from tercel.speculative.worker import SpecWorker
+
+    ada = AdaptiveSpec(_costs({1: 0.001, 6: 0.002}, bucket=4))
+    worker = SimpleNamespace(adaptive=ada, _window_paced=set(), _open_step=None, _step_began=0.0)
+    for width in (1, 1, 1, 6, 6, 6):
+        worker._open_step = (4, width, time.perf_counter() - 0.01)
+        SpecWorker.step_began(worker)
+    assert ada.costs.observations(4, 1) == 2 and ada.costs.observations(4, 6) == 2  # (the first is one-time work)
+    worker._window_paced.add(4)  # a window's pace was taken at this bucket
+    for width in (1, 6):
+        worker._open_step = (4, width, time.perf_counter() - 0.01)
+        SpecWorker.step_began(worker)
+    assert ada.costs.observations(4, 1) == 2 and ada.costs.observations(4, 6) == 3
+
+
 def test_a_plain_grant_counts_down_the_stretch_fixed_when_it_was_granted():
     """A plain stretch is fixed when granted; its windows only count what is left of it (no policy work per
     window), and a probe's stretch after it is decided afresh."""

@@ -77,6 +77,9 @@ class SpecWorker:
         # a probe's whole cost (CostModel.observe_probe): the last plain window read (time, batch), and a probe's
         # excursion from it (that read's time, the batch, its tokens then) until the next window read
         self._window_read: tuple[float, list[Request]] | None = None
+        # buckets whose plain cost rests on plain windows' paces: there a plain step through the worker (a transition:
+        # the policy asked again after a chain run or a probe) is no plain step's cost (step_began)
+        self._window_paced: set[int] = set()
         self._excursion: tuple[float, list[Request], int] | None = None
         # a plain window's forward: the one-token verify (it returns the drafter's hidden rows), else the decode
         self._plain_kind = DECODE if drafter.capture_hidden_mode == CaptureHiddenMode.NULL else verify_key(1)
@@ -108,7 +111,9 @@ class SpecWorker:
         now = time.perf_counter()
         if self._open_step is not None:
             batch_size, width, start = self._open_step
-            self.adaptive.costs.observe(batch_size, width, now - start)
+            costs = self.adaptive.costs
+            if width > 1 or costs.bucket(batch_size) not in self._window_paced:
+                costs.observe(batch_size, width, now - start)
             self._open_step = None
         self._step_began = now
 
@@ -260,6 +265,7 @@ class SpecWorker:
         now = time.perf_counter() if now is None else now
         if wall_s_per_step is not None:
             ada.costs.observe(len(reqs), 1, wall_s_per_step)
+            self._window_paced.add(ada.costs.bucket(len(reqs)))
         if self._excursion is not None:
             self._close_excursion(reqs, now)
         self._window_read = (now, reqs)
