@@ -76,7 +76,8 @@ def test_spec_stats_delta_reads_every_counter_and_histogram():
     d = stats_delta(before, stats_snapshot(s))
     assert d == {"verify_steps": 2, "draft_tokens": 8, "accepted_tokens": 3, "accept_histogram": [1, 0, 0, 1],
                  "width_histogram": {}, "plain_window_steps": 0, "chain_reads": 0, "chain_wait_s": 0.0,
-                 "worker_steps": 0, "worker_step_s": 0.0, "flushes": 0, "flush_s": 0.0}
+                 "worker_steps": 0, "worker_step_s": 0.0, "flushes": 0, "flush_s": 0.0, "flush_host_s": 0.0,
+                 "flush_rows": 0, "probes": 0, "probe_s": 0.0}
 
 
 def test_rounds_point_takes_the_median_round_and_the_median_paired_ratio():
