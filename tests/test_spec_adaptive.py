@@ -17,6 +17,7 @@ from tercel.request import Request
 from tercel.speculative import DEFAULT_EAGLE3_DRAFT
 from tercel.speculative.adaptive import (
     HOPELESS_AFTER,
+    PROBE_CHAIN_STEPS,
     PROBE_SHARE,
     AdaptiveSpec,
     CostModel,
@@ -768,6 +769,25 @@ def test_a_chain_run_the_policy_ends_is_costed_at_its_pace(smol_llm, monkeypatch
     assert steps >= 2 and len(seen) == 1 and len(excursions) == 1, (steps, seen, excursions)
     # the run's time beyond steps x pace holds the start's 0.5 s, so the pace left it out
     assert excursions[0] >= 0.5 and 0 < seen[0] and spec.adaptive.costs.switch_s(1) == excursions[0]
+
+
+class _NeverPays(WidthPolicy):
+    """Plain on the merits, every time: only the probes run the chain."""
+    def best(self, costs, batch_size, alphas, widths) -> int:
+        return 1
+
+
+def test_a_probe_runs_the_chain_long_enough_to_cost_it_at_its_pace(smol_llm, monkeypatch):
+    """At one request on an H200 (ab9d41b) each probe ran one chained step, the policy ending the chain at its first
+    ask; a run of one step is costed whole (its start and end in its one step): 2.1-2.4 ms against a pace of
+    ~1.2 ms, and the policy stayed plain in 2024 of 2028 steps where the fixed chain ran 1.36x plain. A probe now
+    runs PROBE_CHAIN_STEPS chained steps before the policy is asked, so its pace is measured apart from its start
+    (here 0.3 s dearer), which counts once per switch."""
+    spec, steps, seen = _chain_run(smol_llm, monkeypatch, _NeverPays(probe_first=2, probe_max=2), 0.3)
+    excursions = spec.adaptive.costs.excursions_s.get(1, ())
+    # the first probe's run (a later one may end with the request, and a run the batch ends is costed whole)
+    assert steps >= PROBE_CHAIN_STEPS and seen and excursions, (steps, seen, excursions)
+    assert seen[0] < 0.3 and excursions[0] >= 0.3, (seen, excursions)
 
 
 def test_a_chain_runs_pace_and_its_switch_cost():

@@ -59,6 +59,10 @@ FLOOR_SMOOTHING = 0.25  # weight of the newest batch in AdaptiveSpec.floors
 PROBE_SHARE = 0.03  # a probe may cost at most this share of the plain stretch after it (by the measured costs)
 PROBE_FIRST = 32  # plain steps before a bucket's first probe
 PROBE_MAX = 2048  # the most plain steps between probes (TERCEL_ADAPTIVE_PROBE_MAX)
+# a probe that starts a chain runs this many chained steps before the policy may end it: a run of one step can only
+# be costed whole (its start and end in its one step), which kept the chain's cost at 1.7-2x its pace and the policy
+# plain where the chain paid
+PROBE_CHAIN_STEPS = 4
 
 
 def check_adaptive(value: object) -> bool:

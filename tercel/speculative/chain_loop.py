@@ -17,8 +17,9 @@ output token, so a seeded request gets the tokens plain sampling gives it.
 With adaptive speculation (adaptive.py) a chain is costed as a whole: from the engine cycle that started it
 (or the next one, when a prefill shared that cycle) to its end, divided by its steps, so its
 start (the draft_extend before it, staging) and its end (the state copies) count as they do wherever batches
-change often. Each step's acceptance is recorded, and before each launch the policy is asked again: when it no
-longer picks the full width, the chain ends and the worker's adaptive steps take over.
+change often. Each step's acceptance is recorded, and before each launch the policy is asked again (after a
+probe's first PROBE_CHAIN_STEPS steps): when it no longer picks the full width, the chain ends and the worker's
+adaptive steps take over.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from ..graphs.runner import CudaGraphRunner
 from ..graphs.staging import to_device
 from ..outputs import RequestOutput
 from ..request import Request
+from .adaptive import PROBE_CHAIN_STEPS
 from .chain import ChainOutputs, ChainSampling
 from .host import ChainHost
 from .verify import context_free
@@ -64,6 +66,7 @@ class ChainLoop:
         self._steps = 0  # chained steps read since then
         self._reads = (0.0, 0.0)  # when the first and the latest of them were read (the run's pace)
         self._policy_end = False  # the policy, not the batch, ended the run: its start and end were the switch's
+        self._hold = 0  # chained steps still launched without asking the policy (a probe's, PROBE_CHAIN_STEPS)
         self._stream = torch.cuda.Stream(self.engine.device) if self.engine.device.type == "cuda" else None
 
     def _runner_for(self, reqs: list[Request]) -> CudaGraphRunner | None:
@@ -113,7 +116,9 @@ class ChainLoop:
         if all(r.params.max_tokens - len(r.output_token_ids) <= self.width for r in w.reqs):
             return None  # every request ends inside the in-flight step: nothing would use the next
         ada = self.worker.adaptive
-        if ada is not None and ada.costs.knows(len(w.reqs), self._widths()):
+        if self._hold > 0:  # a probe's run: long enough to measure its pace apart from its start and end
+            self._hold -= 1
+        elif ada is not None and ada.costs.knows(len(w.reqs), self._widths()):
             alphas = ada.alphas(w.reqs, bool(eng.scheduler.waiting))
             if ada.policy.choose(ada.costs, len(w.reqs), alphas, self._widths()) != self.width:
                 self._policy_end = True
@@ -131,10 +136,12 @@ class ChainLoop:
         out = runner.replay_unstaged(len(w.reqs))
         return None if out is None else self._in_flight(w.reqs, out, lens, runner)
 
-    def time_from(self, start: float | None) -> None:
+    def time_from(self, start: float | None, probe: bool = False) -> None:
         """Cost the chain just started (in flight): from `start` (its engine cycle's beginning), or, None, from
-        the next cycle on (a prefill shared this one)."""
+        the next cycle on (a prefill shared this one). probe: the policy's probe started it, so it runs
+        PROBE_CHAIN_STEPS steps before the policy is asked again."""
         self._timing, self._clock, self._steps, self._policy_end = True, start, 0, False
+        self._hold = PROBE_CHAIN_STEPS - 1 if probe else 0
 
     def _widths(self) -> tuple[int, ...]:
         return (1, self.width)  # where a chain runs, only plain or the chain (SpecWorker.widths)
@@ -184,7 +191,7 @@ class ChainLoop:
                     ada.costs.observe_chain(len(w.reqs), self.width, self._steps, self._clock, *self._reads, now)
                 else:  # the batch changed: restarts come with the chain's own steps (requests end at other times)
                     ada.costs.observe(len(w.reqs), self.width, (now - self._clock) / self._steps)
-            self._timing, self._clock, self._policy_end = False, None, False
+            self._timing, self._clock, self._policy_end, self._hold = False, None, False, 0
         return outputs
 
     def _collect(self, w: InflightChain) -> list[RequestOutput]:

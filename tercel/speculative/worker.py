@@ -184,7 +184,7 @@ class SpecWorker:
             width = self.num_draft_tokens
             if self.inflight:
                 if measured:
-                    self.chain.time_from(self._step_began if timed else None)
+                    self.chain.time_from(self._step_began if timed else None, probe=ada.policy.probed)
                 timed = False
         else:  # n-gram: last_width is 1 when no request found a match; the cost is the chosen width's
             self.stats.width_histogram[self.last_width] = self.stats.width_histogram.get(self.last_width, 0) + 1
