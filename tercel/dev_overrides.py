@@ -80,6 +80,10 @@ OVERRIDES: dict[str, EnvOverride] = {
     "TERCEL_ADAPTIVE_PROBE_MAX": EnvOverride(
         "2048", "adaptive speculation: the most plain steps between probes at a batch size, an integer >= 1 "
                "(side-by-side runs of the probe spacing)"),
+    "TERCEL_FLUSH_PAD": EnvOverride(
+        "1", "0: an eager EAGLE draft_extend (a prefill's, adaptive speculation's deferred flush) runs at its exact "
+             "rows and prefix instead of shapes rounded up to few buckets (speculative/eagle.py extend_shape), on a "
+             "GPU; side-by-side runs of the flush's host time"),
     "TERCEL_CPU_FUSED": EnvOverride(
         "1", "0: CPU decode / verify steps run the eager layer loop instead of one C++ call per decoder layer "
              "(tercel/models/cpu_fused.py; by default a model on the Q4 x Q8 kernel takes them); fp32: an fp32 "

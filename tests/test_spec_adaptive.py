@@ -9,12 +9,13 @@ import math
 import time
 
 import pytest
+import torch
 from spec_utils import spec_llm
 
 from tercel import SamplingParams
 from tercel.config import ConfigError
 from tercel.request import Request
-from tercel.speculative import DEFAULT_EAGLE3_DRAFT
+from tercel.speculative import DEFAULT_EAGLE3_DRAFT, eagle
 from tercel.speculative.adaptive import (
     HOPELESS_AFTER,
     PROBE_CHAIN_STEPS,
@@ -943,3 +944,37 @@ def test_the_probe_share_switch_spaces_probes_by_its_share(monkeypatch):
         monkeypatch.setenv("TERCEL_ADAPTIVE_PROBE_MAX", bad)
         with pytest.raises(ConfigError, match=f"TERCEL_ADAPTIVE_PROBE_MAX='{bad}' must be an integer >= 1"):
             AdaptiveSpec.for_batches(8)
+
+
+def test_a_draft_extend_padded_to_few_shapes_gives_the_exact_shapes_draft_state(smol_llm, prompts):
+    """On a GPU each eager draft_extend (a prefill's, a plain stretch's deferred flush) runs at shapes rounded up to
+    few buckets (eagle.extend_shape: a flush at a new shape nearly every time cost 3.6-7.6 ms of host time). The
+    padding rows write the dummy slot and the padded prefix is masked: every draft state it leaves (hidden, logits,
+    first draft) is the exact shapes' one, and the output is plain decoding's."""
+    assert eagle.extend_shape(6, 0) == (8, 0) and eagle.extend_shape(9, 257) == (16, 512)
+    assert eagle.extend_shape(512, 256) == (512, 256) and eagle.extend_shape(513, 1) == (1024, 256)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in smol_llm.generate(prompts[:2], params)]
+    states = {}
+    for pad in (False, True):
+        llm = spec_llm(smol_llm, speculative_algorithm="EAGLE3", max_num_seqs=2,
+                       speculative_draft_model_path=str(DEFAULT_EAGLE3_DRAFT))
+        spec = llm.engine.spec
+        spec.drafter.pad_extend = pad
+        spec.adaptive.policy = _NeverPays(probe_first=8, probe_max=8)  # plain stretches, each probe flushes them
+        seen = states[pad] = []
+        real = spec.drafter.extend_rows
+
+        def extend_rows(reqs, starts, ids, hidden, width, real=real, seen=seen):
+            real(reqs, starts, ids, hidden, width)
+            seen.append([(r.spec_state.valid_for, r.spec_state.hidden.clone(), r.spec_state.logits.clone(),
+                          int(r.spec_state.first)) for r in reqs])
+
+        spec.drafter.extend_rows = extend_rows
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], params)] == plain
+    assert len(states[True]) == len(states[False]) > 2  # the prefill's and the flushes'
+    for exact, padded in zip(states[False], states[True]):
+        for (n, h, lg, first), (n2, h2, lg2, first2) in zip(exact, padded):
+            assert n == n2 and first == first2
+            torch.testing.assert_close(h2, h, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(lg2, lg, rtol=1e-4, atol=1e-4)

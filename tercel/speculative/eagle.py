@@ -48,6 +48,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def extend_shape(rows: int, prefix: int) -> tuple[int, int]:
+    """An eager draft_extend's rows per request and prefix width, rounded up so that few shapes recur: rows to a
+    power of two from 8 (to 512, then multiples of 512), the prefix to a multiple of 256. A deferred draft_extend
+    (adaptive speculation's flush) ran at a new shape nearly every time, and on a GPU its host part took 3.6-7.6 ms
+    whatever its rows (an H100 and an H200; ~0.7 ms in each cuBLAS linear). Padding rows write the dummy slot and
+    feed no output; prefix positions past a request's own are masked."""
+    rows = 1 << max(3, (rows - 1).bit_length()) if rows <= 512 else -(-rows // 512) * 512
+    return rows, -(-prefix // 256) * 256
+
+
 @dataclass(slots=True)
 class EagleState:
     valid_for: int  # the request's num_computed_tokens this state belongs to
@@ -99,6 +109,7 @@ class EagleDrafter(Drafter):
         self.scale = model.config.layers.head_dim ** -0.5
         self.vocab_size = engine.model_config.vocab_size
         self.uses_trees = topk > 1
+        self.pad_extend = env("TERCEL_FLUSH_PAD") != "0" and engine.device.type == "cuda"
         # static-shape steps (eagle_steps.py): eager until init_graphs captures them
         lc = model.config.layers
         backend = type(engine.model.attn_backend)(lc.num_heads, lc.num_kv_heads, lc.head_dim, None)
@@ -145,6 +156,9 @@ class EagleDrafter(Drafter):
         dev = self.engine.device
         b = len(reqs)
         max_pos = self.engine.config.max_model_len - 1
+        prefix = max(starts)
+        if self.pad_extend:  # few distinct shapes (extend_shape): each new one cost its eager launches host time
+            width, prefix = extend_shape(width, prefix)
         rows = build_batch([RowSpan(r, s, len(toks), width, toks) for r, s, toks in zip(reqs, starts, ids)],
                            self.kv.block_size)
         h = hidden[0].new_zeros(b, width, hidden[0].shape[-1])
@@ -156,7 +170,7 @@ class EagleDrafter(Drafter):
         t = self.engine.executor.upload([padded_tables(reqs, cols), starts, rows.slots, rows.ids,
                                          [min(p, max_pos) for p in rows.positions],
                                          [i * width + len(toks) - 1 for i, toks in enumerate(ids)]])
-        prefix_slots, prefix_valid = device_context_slots(t[0].view(b, cols), t[1], max(starts), self.kv.block_size)
+        prefix_slots, prefix_valid = device_context_slots(t[0].view(b, cols), t[1], prefix, self.kv.block_size)
         attn = DraftAttention(self.kv, prefix_slots, prefix_valid, width, self.scale)
         attn.entries = torch.arange(width, device=dev)
         attn.mask = torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None].expand(b, -1, -1)
