@@ -84,6 +84,9 @@ OVERRIDES: dict[str, EnvOverride] = {
         "1", "0: an eager EAGLE draft_extend (a prefill's, adaptive speculation's deferred flush) runs at its exact "
              "rows and prefix instead of shapes rounded up to few buckets (speculative/eagle.py extend_shape), on a "
              "GPU; side-by-side runs of the flush's host time"),
+    "TERCEL_ADAPTIVE_FRESH_PROBE": EnvOverride(
+        "1", "0: adaptive speculation weighs a just-prefilled lone request at the prior like any other, instead of "
+             "running its first decode at the full width (side-by-side runs)"),
     "TERCEL_CPU_FUSED": EnvOverride(
         "1", "0: CPU decode / verify steps run the eager layer loop instead of one C++ call per decoder layer "
              "(tercel/models/cpu_fused.py; by default a model on the Q4 x Q8 kernel takes them); fp32: an fp32 "

@@ -28,6 +28,7 @@ from tercel.speculative.adaptive import (
     check_adaptive,
     expected_tokens,
     shrunk_alphas,
+    stats_of,
 )
 
 WIDTHS = (1, 2, 4, 6)
@@ -335,6 +336,36 @@ def test_with_no_request_queued_no_request_may_lose():
     assert WidthPolicy().best(ada.costs, 4, ada.alphas(reqs, queued=True), WIDTHS) == 6
     assert WidthPolicy().best(ada.costs, 4, ada.alphas(reqs, queued=False), WIDTHS) == 1
     assert ada.plain_steps(reqs, WIDTHS, queued=False).left() > 0 and ada.plain_steps(reqs, WIDTHS, queued=True) is None
+
+
+def test_a_fresh_lone_request_starts_at_the_full_width_its_own_acceptance_decides():
+    """At one request on an H100 (de69b85) a code prompt after a chat prompt decoded plain to its end: its prior was
+    the chat prompt's acceptance and the next probe ~500 steps away, while the chain ran it at ~1.5x. A lone request
+    just prefilled (no verify yet, no deferred rows) runs its first decode at the full width (a probe: a chain holds
+    it PROBE_CHAIN_STEPS steps), unless that step costs more than FRESH_PROBE_RATIO plain steps; then its own
+    verifies decide. Not for a batch of several (their floors weigh them), nor when switched off."""
+    def sync() -> None:
+        return None
+
+    costs = _costs({1: 0.001, 2: 0.0015, 4: 0.002, 6: 0.0025}, bucket=2)
+    ada = AdaptiveSpec(costs)
+    for _ in range(20):  # the last requests accepted little: on the prior the policy stays plain
+        ada.recent.record(5, 1, decay=0.95)
+    lone = [Request("new", None, [0], None, None, None)]
+    assert WidthPolicy().best(costs, 1, ada.alphas(lone, queued=False), WIDTHS) == 1
+    assert ada.plain_steps(lone, WIDTHS) is None  # the next step comes through the worker ...
+    assert ada.choose(lone, WIDTHS, None, sync) == 6 and ada.policy.probed  # ... at the full width, as a probe
+    ada.record(lone[0], 5, 1)  # verified: its own acceptance decides from here
+    assert ada.choose(lone, WIDTHS, None, sync) == 1 and ada.plain_steps(lone, WIDTHS).left() > 0
+    pair = [Request(f"p{i}", None, [0], None, None, None) for i in range(2)]
+    assert ada.fresh_width(pair, WIDTHS) is None  # several fresh requests: their floors
+    deferred = [Request("deferred", None, [0], None, None, None)]
+    stats_of(deferred[0]).deferred_rows = 3  # plain rows waiting for a draft_extend: no longer fresh
+    assert ada.fresh_width(deferred, WIDTHS) is None
+    dear = AdaptiveSpec(_costs({1: 0.001, 2: 0.002, 4: 0.003, 6: 0.0031}, bucket=2))
+    assert dear.fresh_width([Request("x", None, [0], None, None, None)], WIDTHS) is None  # over 3 plain steps
+    ada.fresh_probe = False  # TERCEL_ADAPTIVE_FRESH_PROBE=0
+    assert ada.fresh_width([Request("y", None, [0], None, None, None)], WIDTHS) is None
 
 
 def test_a_new_batch_is_weighed_at_the_lowest_acceptance_batches_of_its_size_showed():
@@ -728,6 +759,7 @@ def _chain_run(smol_llm, monkeypatch, policy: WidthPolicy, dear_s: float):
     spec.adaptive.costs = _RecordingCosts((1, 2, 4), {(b, w): 0.001 for b in (1, 2, 4) for w in widths})
     spec.adaptive.costs.seen = []
     spec.adaptive.policy = policy
+    spec.adaptive.fresh_probe = False  # the policy decides from the first decode
     start = type(spec.chain).start
 
     def dear_start(self, reqs):

@@ -63,6 +63,9 @@ PROBE_MAX = 2048  # the most plain steps between probes (TERCEL_ADAPTIVE_PROBE_M
 # be costed whole (its start and end in its one step), which kept the chain's cost at 1.7-2x its pace and the policy
 # plain where the chain paid
 PROBE_CHAIN_STEPS = 4
+# a lone request with no verify yet and a fresh draft state (just prefilled) runs its first decode at the full width,
+# unless that step costs more than this many plain steps: its own acceptance, not the last requests', decides
+FRESH_PROBE_RATIO = 3.0
 
 
 def check_adaptive(value: object) -> bool:
@@ -451,6 +454,7 @@ class AdaptiveSpec:
     lowest: bool = True  # with nothing queued, weigh the batch at its lowest alpha (TERCEL_ADAPTIVE_BATCH_ALPHA)
     pooled: bool = True  # ... each request's alpha first shrunk toward the batch's pooled one (shrunk_alphas)
     pinned: bool = False  # TERCEL_ADAPTIVE_PIN=plain: every decode step plain, no probes (a measurement switch)
+    fresh_probe: bool = True  # a fresh lone request starts at the full width (fresh_width; TERCEL_ADAPTIVE_FRESH_PROBE)
 
     @classmethod
     def for_batches(cls, max_num_seqs: int) -> "AdaptiveSpec":
@@ -475,8 +479,11 @@ class AdaptiveSpec:
                               f"{PROBE_MAX})")
         policy = WidthPolicy(probe_first=min(PROBE_FIRST, probe_max), probe_max=probe_max,
                              probe_share=probe_share)
+        fresh = env("TERCEL_ADAPTIVE_FRESH_PROBE")
+        if fresh not in ("0", "1"):
+            raise ConfigError(f"TERCEL_ADAPTIVE_FRESH_PROBE={fresh!r} must be 0 or 1 (unset: 1)")
         return cls(CostModel(default_buckets(max_num_seqs)), policy, lowest=rule != "mean", pooled=rule == "pooled",
-                   pinned=pin == "plain")
+                   pinned=pin == "plain", fresh_probe=fresh == "1")
 
     def alphas(self, reqs: Sequence[Request], queued: bool) -> list[float]:
         """The acceptance the policy weighs for each request. queued (requests wait for a slot): the batch's
@@ -516,7 +523,30 @@ class AdaptiveSpec:
             b, full = self.costs.bucket(len(reqs)), max(widths)
             if expected_tokens(ALPHA_CEILING, full) * self.costs.forward_s[b, 1] > self.costs.forward_s[b, full]:
                 return full
+        fresh = self.fresh_width(reqs, widths)
+        if fresh is not None:
+            self.policy.probed = True  # a chain holds it for PROBE_CHAIN_STEPS (ChainLoop.time_from)
+            return fresh
         return self.policy.choose(self.costs, len(reqs), self.alphas(reqs, queued), widths)
+
+    def fresh_width(self, reqs: Sequence[Request], widths: Sequence[int]) -> int | None:
+        """The full width for a lone request that is fresh (no verify yet, its draft state just set by its prefill,
+        so no deferred draft_extend to pay) where that step costs at most FRESH_PROBE_RATIO plain steps; else None.
+        A new request's prior is the last requests' acceptance, and at one request on an H100 (de69b85) a code
+        prompt after a chat prompt decoded plain to its end (the next probe was ~500 steps away) where the chain ran
+        it at ~1.5x: its own first steps now say whether it pays. Batches of several fresh requests keep their
+        floors (AdaptiveSpec.alphas): there a few speculative steps at a pass's start cost 6-17% of a 16-request
+        pass (H200 2e40fc6, H100 de69b85)."""
+        if not self.fresh_probe or self.pinned or len(widths) < 2 or len(reqs) != 1:
+            return None
+        for r in reqs:
+            st = r.spec_adaptive
+            if isinstance(st, RequestAcceptStats) and (st.verifies or st.deferred_rows or self._in_segment(r)):
+                return None
+        full = max(widths)
+        if self.costs.step_s(len(reqs), full) > FRESH_PROBE_RATIO * self.costs.step_s(len(reqs), 1):
+            return None
+        return full
 
     def plain_steps(self, reqs: Sequence[Request], widths: Sequence[int], queued: bool = False) -> PlainGrant | None:
         """The plain steps the policy grants these decoding requests now, to run as decode windows at plain speed
@@ -525,7 +555,7 @@ class AdaptiveSpec:
         if len(widths) == 1 or self.pinned:  # nothing to probe at this batch (no speculative graph here), or pinned
             s = self.policy.schedule(self.costs, len(reqs))
             return PlainGrant(s, s.plain_run + 1 + self.policy.probe_max)  # probe_max steps left
-        if not self.costs.knows(len(reqs), widths):
+        if not self.costs.knows(len(reqs), widths) or self.fresh_width(reqs, widths) is not None:
             return None
         if self.policy.best(self.costs, len(reqs), self.alphas(reqs, queued), widths) != 1:
             return None
