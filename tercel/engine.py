@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .batching import RowSpan, TableRows, build_batch, decode_rows, same_batch, step_batch
+from .batching import RowSpan, TableRows, build_batch, decode_rows, step_batch
 from .config import ConfigError, EngineConfig, ModelLoadConfig
 from .cpu_threads import apply_threads
 from .executor import DECODE, Executor, StepKey
@@ -197,9 +197,6 @@ class LLMEngine:
         self.overlap_schedule = (self.device.type == "cuda" if sched.disable_overlap_schedule is None
                                  else not sched.disable_overlap_schedule)
         self._inflight: InflightWindow | None = None
-        # when the last spec-plain window was read back, and its batch: a window's pace counts only over back-to-back
-        # windows of one unchanged batch (the gap across a batch change holds the change's work, no plain step's)
-        self._last_plain_window: tuple[float, list[Request]] | None = None
         self._download_stream = None  # CUDA (set with the stager): the stream that brings window tokens to the host
         self._window_st: tuple[tuple[str, ...], SamplingTensors] | None = None  # _window_settings' last upload
         self._window_tables = TableRows()  # the decode windows' block tables, packed once per batch
@@ -604,7 +601,8 @@ class LLMEngine:
                 window = self.scheduler.schedule_decode_window(num_steps)
                 if window is not None:
                     return self._multi_step(window, num_steps)
-            self._last_plain_window = None
+            if self.spec is not None:  # the next window's gap to the last one holds this step's work
+                self.spec.windows_interrupted()
             sched = self.scheduler.schedule(self.spec.extra_slots if self.spec is not None else 0)
             if not sched.scheduled:
                 return []
@@ -802,11 +800,8 @@ class LLMEngine:
             else:
                 self.sink.append_tokens(r, [row[i] for row in tokens[:w.num_steps]], now=now)
             self.sink.emit(outputs, r)
-        if w.spec_plain:  # the pace of back-to-back plain windows is what a plain step costs here
-            last = self._last_plain_window
-            pace = None if last is None or not same_batch(last[1], w.reqs) else (now - last[0]) / w.num_steps
-            self.spec.after_plain_window(w.reqs, w.hidden, w.num_steps, pace, now)
-        self._last_plain_window = (now, w.reqs) if w.spec_plain else None
+        if w.spec_plain:
+            self.spec.after_plain_window(w.reqs, w.hidden, w.num_steps, now)
         return outputs
 
     def run_model(self, batch: "ForwardBatch | SampledDecodeBatch", kind: StepKey = DECODE) -> \

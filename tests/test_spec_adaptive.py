@@ -557,13 +557,14 @@ def test_a_plain_pace_is_taken_only_over_back_to_back_windows_of_one_batch(smol_
     llm = spec_llm(smol_llm, max_num_seqs=len(prompts), num_scheduler_steps=4, speculative_algorithm="NGRAM")
     spec = llm.engine.spec
     seen: list[tuple[list, float | None]] = []
-    original = spec.after_plain_window
+    original = spec.plain_pace
 
-    def record(reqs, hidden, num_steps, pace, now=None):
+    def record(reqs, num_steps, now):
+        pace = original(reqs, num_steps, now)
         seen.append((list(reqs), pace))
-        return original(reqs, hidden, num_steps, pace, now)
+        return pace
 
-    monkeypatch.setattr(spec, "after_plain_window", record)
+    monkeypatch.setattr(spec, "plain_pace", record)
     params = [SamplingParams(max_tokens=12 + 8 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))]
     llm.generate(prompts, params)  # the batch shrinks as the shorter requests finish
     timed = [i for i, (_, pace) in enumerate(seen) if pace is not None]

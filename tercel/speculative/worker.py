@@ -77,6 +77,7 @@ class SpecWorker:
         # a probe's whole cost (CostModel.observe_probe): the last plain window read (time, batch), and a probe's
         # excursion from it (that read's time, the batch, its tokens then) until the next window read
         self._window_read: tuple[float, list[Request]] | None = None
+        self._windows_adjacent = False  # nothing but plain windows ran since that read (plain_pace)
         # buckets whose plain cost rests on plain windows' paces: there a plain step through the worker (a transition:
         # the policy asked again after a chain run or a probe) is no plain step's cost (step_began)
         self._window_paced: set[int] = set()
@@ -256,19 +257,34 @@ class SpecWorker:
         else:
             self.adaptive.ran_plain(num_steps, len(reqs), None)
 
+    def windows_interrupted(self) -> None:
+        """The engine runs something other than a plain window (a worker step, an idle turn): the next window's gap
+        to the last one read holds that work, no plain step's."""
+        self._windows_adjacent = False
+
+    def plain_pace(self, reqs: list[Request], num_steps: int, now: float) -> float | None:
+        """A window's seconds per step: the time since the window read just before it, only where nothing else ran
+        in between and the batch is the same (the gap across a batch change holds the change's work: a request
+        finishing, its blocks freed, the batch rebuilt)."""
+        read = self._window_read
+        if not self._windows_adjacent or read is None or not same_batch(read[1], reqs):
+            return None
+        return (now - read[0]) / num_steps
+
     def after_plain_window(self, reqs: list[Request], hidden: torch.Tensor | None, num_steps: int,
-                           wall_s_per_step: float | None, now: float | None = None) -> None:
+                           now: float | None = None) -> None:
         """A window's tokens are appended (read back at `now`): keep the hidden rows of the requests that go on
         ([num_steps, B, H], request i's column) for their next draft_extend, count the window's pace in the cost
-        model, and close a probe's excursion."""
+        model (plain_pace), and close a probe's excursion."""
         ada = self.adaptive
         now = time.perf_counter() if now is None else now
-        if wall_s_per_step is not None:
-            ada.costs.observe(len(reqs), 1, wall_s_per_step)
+        pace = self.plain_pace(reqs, num_steps, now)
+        if pace is not None:
+            ada.costs.observe(len(reqs), 1, pace)
             self._window_paced.add(ada.costs.bucket(len(reqs)))
         if self._excursion is not None:
             self._close_excursion(reqs, now)
-        self._window_read = (now, reqs)
+        self._window_read, self._windows_adjacent = (now, reqs), True
         self.stats.width_histogram[1] = self.stats.width_histogram.get(1, 0) + num_steps
         self.stats.plain_window_steps += num_steps
         if hidden is not None:  # the window's stacked rows are its own tensor (the engine's decode window)
