@@ -15,6 +15,8 @@
 #   STEP=serve          `tercel serve` (EAGLE-3, adaptive by default, then plain) under `tercel bench serve` at RATES
 #                       (carry .carry/whl .carry/whlserve: fastapi, uvicorn, pydantic, xgrammar are not installed there)
 # Logs and results land in $OUT as they are written, so a cut call still returns them.
+# TERCEL_COMMIT names the results: set it to this checkout's HEAD as seen here (`git rev-parse --short HEAD`), not
+# there: the device copy's git HEAD can be stale (a call at e8616cc read c218985 there).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 # the card in the result names: h200, or h100 where a call was served by an H100
@@ -24,6 +26,7 @@ M=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p /tmp/smol
 if [ -n "${N:-}" ]; then cp .carry/smol-$N/* /tmp/smol/; fi
 [ "${STEP}" = part ] && { nvidia-smi --query-gpu=name,memory.used --format=csv; exit 0; }
+[ -n "${TERCEL_COMMIT:-}" ] || { echo "set TERCEL_COMMIT=<the commit this tree holds> (see the header)"; exit 2; }
 if [ "${STEP}" = memcheck ]; then  # no model needed: random weights (carry .carry/whl for transformers' gguf)
   PYTHONPATH=. timeout ${TEST_S:-500} compute-sanitizer --tool memcheck --error-exitcode 9 python3 \
     benchmarks/spec_memcheck.py ${RUNS:+--runs $RUNS} 2>&1 | tee $OUT/spec_memcheck_${TERCEL_COMMIT}.log | grep -v "^Writing" \
