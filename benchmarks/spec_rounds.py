@@ -210,7 +210,10 @@ def run_point(llm, convs, c: int, tokens: int, temperature: float) -> dict:
                 # per request: mean time to the first token (prefill, with the drafter's), mean µs per later token
                 ttft_ms=round(1e3 * sum(ttft) / len(ttft), 3) if ttft else None,
                 decode_us_per_token=round(1e6 * sum(decode) / len(decode), 1) if decode else None,
-                cost_model=ada.costs.snapshot() if ada is not None else None)
+                cost_model=ada.costs.snapshot() if ada is not None else None,
+                # what a fresh batch of each size is weighed at (AdaptiveSpec.floors) and a lone request's prior
+                floors={str(b): round(a, 3) for b, a in ada.floors.items()} if ada is not None else None,
+                prior_alpha=round(ada.recent.alpha, 3) if ada is not None else None)
 
 
 def build(base, names: list[str], extra: dict, device: str) -> dict:
