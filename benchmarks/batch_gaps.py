@@ -3,7 +3,7 @@ time, kernels and the heaviest kernels per output token of the batch (a decode s
 `LLM.chat` as spec_rounds.py runs it.
 
 At 64 requests adaptive engines that run nothing but plain windows measured 0.82-0.93x plain on the H200
-(spec_rounds_adaptive_focus_h200_fde67c2.json); this tells a GPU-side cost (more busy µs per step) from a
+(spec_rounds_adaptive_focus_h200_fde67c2.json.gz); this tells a GPU-side cost (more busy µs per step) from a
 host-side one (more idle µs: the GPU waits for the host). Each configuration (spec_rounds.py's names) is built on
 the shared weights, warmed up, then one pass of `--concurrency` requests runs under torch.profiler (CUDA activity
 only). Per output token of the batch: busy (the union of kernel intervals), idle (the rest
