@@ -32,6 +32,12 @@ OVERRIDES: dict[str, EnvOverride] = {
              "SwiGLU and residual folded, PDL; not yet measured on a GPU); read again when a forward runs or is "
              "captured, so an engine built with 0 after the weights were set up with 1 or rowgrid keeps its verify "
              "unfused (side-by-side runs in one process)"),
+    "TERCEL_FOLD_NORMS": EnvOverride(
+        "auto", "the unfused GPU forwards (verify rows, small batches past one row, prefill) with each layer's "
+                "two RMSNorm weights folded into copies of the qkv and gate_up weights (1/rms applied in the RoPE + "
+                "store and SwiGLU kernels, the residual adds in the o / down GEMMs: 2 launches a layer fewer): auto "
+                "(when the copies take at most 1 GiB), 1 (whatever they take), 0 (off; read again when a forward runs "
+                "or is captured, so an engine built with 0 beside folded weights stays unfolded)"),
     "TERCEL_SMALL_M_BUCKETS": EnvOverride(
         "", "with TERCEL_SMALL_M=1 or rowgrid: the row buckets the small-M tuner measures or fills, a comma list of "
             "2, 4, 8, 16, 32 (default every one; a bs-1 chain of 6 rows needs 8): the others stay unfused"),

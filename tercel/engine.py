@@ -240,6 +240,11 @@ class LLMEngine:
         m.max_model_len = m.max_model_len or loaded.model.max_positions
         self.config = config
         block_size = config.cache.block_size
+        if self.device.type == "cuda" and self.tp_group is None and hasattr(loaded.model, "fold_norms"):
+            from .kernels import triton_enabled
+
+            if triton_enabled():  # before the KV pool takes what is left: the folded weights' copies (fold_norms)
+                loaded.model.fold_norms()
         spec = KVCacheSpec.for_model(loaded.model.config, block_size, self.dtype)  # a TP rank's model: its KV heads
         num_blocks = num_kv_blocks(config, spec, self.device)
         if self.tp_group is not None:  # the same pool on every rank: the smallest any rank can hold

@@ -42,5 +42,10 @@ class AttentionBackend:
 
     def forward_rope(self, layer: int, qk: torch.Tensor, v: torch.Tensor,
                      cos_sin: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, meta: Any,
-                     kv: PagedKVCache, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                     kv: PagedKVCache, prefetch: torch.Tensor | None = None,
+                     norm_of: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} does not fuse RoPE.")
+
+    def stores_rope_apart(self, meta: Any, qk: torch.Tensor) -> bool:
+        """Whether forward_rope can finish a norm folded into the qkv weight for this batch (norm_of)."""
+        return False

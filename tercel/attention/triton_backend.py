@@ -133,20 +133,36 @@ class TritonAttentionBackend(AttentionBackend):
     def forward_rope(self, layer: int, qk: torch.Tensor, v: torch.Tensor,
                      cos_sin: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
                      meta: TritonAttentionMetadata, kv: PagedKVCache,
-                     prefetch: torch.Tensor | None = None) -> torch.Tensor:
-        """prefetch: the weight that reads this output (o_proj), pulled into L2 while decode attention runs."""
+                     prefetch: torch.Tensor | None = None,
+                     norm_of: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """prefetch: the weight that reads this output (o_proj), pulled into L2 while decode attention runs.
+        norm_of: (residual, eps) to finish a norm folded into the qkv weight (only where stores_rope_apart)."""
         # weight-bound batches only: a large batch's attention has its own bytes to move
         prefetch = prefetch if meta.decode and qk.shape[0] <= PREFETCH_MAX_BATCH and l2_prefetch_enabled() else None
+        mode = self._rope_mode(meta, qk)
+        if mode != "split":
+            if norm_of is not None:
+                raise ValueError(f"a folded norm needs the RoPE + store kernel; this batch takes the {mode!r} kernel.")
+            return attend_rope(self, layer, qk, v, cos_sin, batch.out_cache_loc, meta, kv, mode == "one", prefetch)
+        q = rope_store(qk, v, cos_sin[0], cos_sin[1], batch.out_cache_loc, kv.k[layer], kv.v[layer], self.num_heads,
+                       norm_of=norm_of)
+        return attend(self, layer, q, meta, kv, prefetch)
+
+    def _rope_mode(self, meta: TritonAttentionMetadata, qk: torch.Tensor) -> str:
+        """split: RoPE + store (rope_store), then the attention kernels; rope / one: RoPE and the store inside
+        the decode attention kernel."""
         # verify rows (TERCEL_VERIFY_ATTN=rope) read the block's earlier keys from qk / v in the kernel, never
         # another row's store, so they can take the decode kernel with RoPE and the store inside too
         rope_ok = meta.decode and fused_decode_enabled() and (not meta.rows or meta.rows_rope)
         mode = decode_attention_mode() if rope_ok else "split"
         if mode == "one" and meta.num_splits > 1 and self.split_counters(qk.shape[0], qk.device) is None:
             mode = "rope"
-        if mode != "split":
-            return attend_rope(self, layer, qk, v, cos_sin, batch.out_cache_loc, meta, kv, mode == "one", prefetch)
-        q = rope_store(qk, v, cos_sin[0], cos_sin[1], batch.out_cache_loc, kv.k[layer], kv.v[layer], self.num_heads)
-        return attend(self, layer, q, meta, kv, prefetch)
+        return mode
+
+    def stores_rope_apart(self, meta: TritonAttentionMetadata, qk: torch.Tensor) -> bool:
+        """Whether forward_rope runs RoPE + store as its own kernel for this batch (verify rows, prefill), which
+        can then finish a norm folded into the qkv weight (LlamaForCausalLM.fold_norms)."""
+        return self._rope_mode(meta, qk) == "split"
 
     def split_counters(self, batch_size: int, device: torch.device) -> torch.Tensor | None:
         """The decode kernel's split counters, or None if this batch needs more than were allocated (never

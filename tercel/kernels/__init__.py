@@ -19,6 +19,8 @@ tercel.dev_overrides:
   TERCEL_SMALL_M=1        tune and use the fused small-M GEMMs for 2..32-row forwards (off by default);
                           rowgrid: no tuning pass, each role's batch-1 GEMV once per row
   TERCEL_SMALL_M_BUCKETS  the row buckets it tunes or fills (e.g. 8; default 2,4,8,16,32)
+  TERCEL_FOLD_NORMS       the unfused forwards' RMSNorm weights folded into copies of qkv / gate_up (auto: while
+                          the copies take <= 1 GiB; 1; 0)
   TERCEL_PDL              programmatic dependent launch for the decode GEMVs and attention: late (default: the
                           next kernel may launch once every program has finished its main loop), early (alias 1:
                           once every program has passed its wait; measured slower on the H200), 0 (off),
@@ -88,6 +90,18 @@ def small_m_enabled() -> bool:
 
 
 TOPK_ROWS_MAX_K = 16  # the widest top-k of kernels.topk_rows (wider: torch.topk)
+FOLD_NORMS_MODES = ("auto", "0", "1")
+FOLD_NORMS_AUTO_BYTES = 1 << 30  # auto folds while the weight copies take at most this much (models to ~1B)
+
+
+def fold_norms_mode() -> str:
+    """TERCEL_FOLD_NORMS: auto, 1 or 0 (dev_overrides); LlamaForCausalLM.fold_norms and its forwards read it."""
+    mode = env("TERCEL_FOLD_NORMS")
+    if mode not in FOLD_NORMS_MODES:
+        raise ValueError(f"TERCEL_FOLD_NORMS={mode!r}: use one of {', '.join(FOLD_NORMS_MODES)}.")
+    return mode
+
+
 SMALL_M_ROWS = 32  # the most rows of a fused small-M forward (kernels.gemm_small): 16 drafts x 2 requests
 ROW_BUCKETS = tuple(1 << i for i in range(1, SMALL_M_ROWS.bit_length()))  # 2, 4, .., 32: gemm_small's BLOCK_M
 

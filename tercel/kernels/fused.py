@@ -4,6 +4,8 @@
   rms_norm      RMSNorm alone (the first layer's input)
   silu_mul      SwiGLU: silu(gate) * up from the fused gate_up projection
   rope_store    RoPE on q and k, k and v written straight into the paged cache, rotated q returned
+silu_mul and rope_store can also finish an RMSNorm folded into the weight before them (norm_of): the GEMM
+multiplied the raw residual by weight * norm weight, and each row is scaled by its residual's 1/rms here.
 
 Each matches the PyTorch formula of models/llama.py and models/rope.py in fp32 arithmetic, rounding
 where PyTorch rounds (the normalised value to the model dtype before the weight multiply, silu(gate)
@@ -73,7 +75,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
-def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _row_rstd(R, row, stride_r, hidden, eps, BLOCK_R: tl.constexpr):
+    """1 / rms of a residual row, as _rms_norm_kernel computes it (the norm folded into the weights, fold_norms)."""
+    offs = tl.arange(0, BLOCK_R)
+    r = tl.load(R + row * stride_r + offs, mask=offs < hidden, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(r * r, axis=0) / hidden + eps)
+
+
+@triton.jit
+def _silu_mul_kernel(GU, OUT, R, stride_gu, stride_o, stride_r, n_cols, hidden, eps, BLOCK: tl.constexpr,
+                     NORM: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_cols
@@ -81,24 +92,33 @@ def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr, 
         tl.extra.cuda.gdc_wait()
     g = tl.load(GU + row * stride_gu + offs, mask=m, other=0.0)
     u = tl.load(GU + row * stride_gu + n_cols + offs, mask=m, other=0.0)
+    gf, uf = g.to(tl.float32), u.to(tl.float32)
+    if NORM:  # gate_up came from the norm-folded weight: scale by the residual row's 1/rms, rounded as a GEMM's out
+        rstd = _row_rstd(R, row, stride_r, hidden, eps, BLOCK_R)
+        gf = (gf * rstd).to(g.dtype).to(tl.float32)
+        uf = (uf * rstd).to(g.dtype).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    gf = g.to(tl.float32)
     s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-    tl.store(OUT + row * stride_o + offs, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=m)
+    tl.store(OUT + row * stride_o + offs, (s.to(tl.float32) * uf).to(g.dtype), mask=m)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: [..., 2I] (gate first) -> [..., I]."""
+def silu_mul(gate_up: torch.Tensor, norm_of: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """gate_up: [..., 2I] (gate first) -> [..., I]. norm_of: (residual [rows, H], eps) when gate_up is the
+    product of the un-normed residual with the norm-folded weight (LlamaForCausalLM.fold_norms): each row is
+    first scaled by its residual row's 1/rms, which completes the RMSNorm."""
     x2 = _rows(gate_up)
     n = x2.shape[-1] // 2
     out = torch.empty((x2.shape[0], n), dtype=x2.dtype, device=x2.device)
     block = min(1024, triton.next_power_of_2(n))
+    r = x2 if norm_of is None else _rows(norm_of[0])
+    hidden = r.shape[-1]
     if x2.shape[0]:
         pdl = pdl_small(x2)
-        _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), out.stride(0), n, BLOCK=block,
-                                                              PDL=pdl, num_warps=4,
-                                                              **(dict(launch_pdl=True) if pdl else {}))
+        _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
+            x2, out, r, x2.stride(0), out.stride(0), r.stride(0), n, hidden, 0.0 if norm_of is None else norm_of[1],
+            BLOCK=block, NORM=norm_of is not None, BLOCK_R=triton.next_power_of_2(hidden), PDL=pdl, num_warps=4,
+            **(dict(launch_pdl=True) if pdl else {}))
     return out.view(*gate_up.shape[:-1], n)
 
 
@@ -144,11 +164,12 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
 
 
 @triton.jit
-def _rope_store_kernel(QK, V, COS, SIN, LOC, QOUT, KC, VC,
+def _rope_store_kernel(QK, V, COS, SIN, LOC, QOUT, KC, VC, R,
                        stride_qkt, stride_qkh, stride_vt, stride_vh, stride_ct, stride_st,
-                       stride_qot, stride_qoh, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                       stride_qot, stride_qoh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_r, hidden, eps,
                        NQ: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_HV: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_HV: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr,
+                       PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, HALF)
@@ -163,6 +184,11 @@ def _rope_store_kernel(QK, V, COS, SIN, LOC, QOUT, KC, VC,
     s1 = tl.load(SIN + t * stride_st + d).to(tl.float32)[None, :]
     s2 = tl.load(SIN + t * stride_st + HALF + d).to(tl.float32)[None, :]
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    rstd = 1.0
+    if NORM:  # qkv came from the norm-folded weight: scale by the residual row's 1/rms, rounded as a GEMM's out
+        rstd = _row_rstd(R, t, stride_r, hidden, eps, BLOCK_R)
+        x1f = (x1f * rstd).to(x1.dtype).to(tl.float32)
+        x2f = (x2f * rstd).to(x1.dtype).to(tl.float32)
     o1 = (x1f * c1 - x2f * s1).to(x1.dtype)
     o2 = (x2f * c2 + x1f * s2).to(x1.dtype)
     is_q = h < NQ
@@ -179,16 +205,20 @@ def _rope_store_kernel(QK, V, COS, SIN, LOC, QOUT, KC, VC,
     vm = hv < NKV
     dv = tl.arange(0, 2 * HALF)
     vals = tl.load(V + t * stride_vt + hv[:, None] * stride_vh + dv[None, :], mask=vm[:, None], other=0.0)
+    if NORM:
+        vals = (vals.to(tl.float32) * rstd).to(x1.dtype)
     if PDL:  # every input is read
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(VC + loc * stride_vcs + hv[:, None] * stride_vch + dv[None, :], vals, mask=vm[:, None])
 
 
 def rope_store(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_cache_loc: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
+               k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+               norm_of: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """qk: [T, H + Hkv, D] (views into the fused qkv output), v: [T, Hkv, D]; cos/sin: [T, 1, D] or [T, D];
     k_cache/v_cache: [slots, Hkv, D] of one layer. Writes rotated k and v at out_cache_loc, returns
-    rotated q [T, H, D]."""
+    rotated q [T, H, D]. norm_of: (residual [T, hidden], eps) when qkv is the product of the un-normed residual
+    with the norm-folded weight (LlamaForCausalLM.fold_norms): q, k and v are first scaled by each row's 1/rms."""
     t, heads, dim = qk.shape
     nkv = heads - num_heads
     if qk.stride(-1) != 1 or v.stride(-1) != 1:
@@ -197,13 +227,16 @@ def rope_store(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.
         raise ValueError(f"rope_store needs a power-of-two head_dim, got {dim}.")
     cos2, sin2 = cos.reshape(t, -1), sin.reshape(t, -1)
     q_out = torch.empty((t, num_heads, dim), dtype=qk.dtype, device=qk.device)
+    r = qk if norm_of is None else _rows(norm_of[0])
+    hidden = r.shape[-1] if norm_of is not None else 1
     if t:
         pdl = pdl_small(qk)
         _rope_store_kernel[(t,)](
-            qk, v, cos2, sin2, out_cache_loc, q_out, k_cache, v_cache,
+            qk, v, cos2, sin2, out_cache_loc, q_out, k_cache, v_cache, r,
             qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), cos2.stride(0), sin2.stride(0),
             q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-            v_cache.stride(1),
+            v_cache.stride(1), r.stride(0), hidden, 0.0 if norm_of is None else norm_of[1],
             NQ=num_heads, NKV=nkv, HALF=dim // 2, BLOCK_H=triton.next_power_of_2(heads),
-            BLOCK_HV=triton.next_power_of_2(nkv), PDL=pdl, num_warps=4, **(dict(launch_pdl=True) if pdl else {}))
+            BLOCK_HV=triton.next_power_of_2(nkv), NORM=norm_of is not None, BLOCK_R=triton.next_power_of_2(hidden),
+            PDL=pdl, num_warps=4, **(dict(launch_pdl=True) if pdl else {}))
     return q_out

@@ -18,6 +18,9 @@ by the configs the tuner kept for their row bucket (2, 4, 8, 16, 32). The choice
 only, so an eager forward and a graph replay of the same rows run the same kernels, and each row's values
 do not depend on the others; a graph padded into another row bucket may (as cuBLAS may pick another
 algorithm for a padded M).
+With those off (the default past one row) the unfused forwards on the GPU take the norms folded into copies of
+the qkv and gate_up weights (fold_norms: 8 launches a layer instead of 10); the norm's rounding then differs
+(the weight x norm weight product rounded once, the 1/rms applied after the GEMM), within the dtype's precision.
 """
 from __future__ import annotations
 
@@ -44,6 +47,11 @@ def fused_config(single, by_bucket: dict, m: int):
     """A role's fused GEMV config for m rows: the batch-1 one, or the one tuned for m's row bucket
     (None: that role runs its unfused ops)."""
     return single if m == 1 else by_bucket.get(row_bucket(m))
+
+
+def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] times the norm weight [K] along K, in fp32, rounded once to the weight's dtype."""
+    return (weight.float() * norm_weight.float()[None, :]).to(weight.dtype).contiguous()
 
 
 class RMSNorm(nn.Module):
@@ -88,9 +96,12 @@ class Attention(nn.Module):
         self.o_fused = None  # GemvConfig: residual add in the epilogue
         self.qkv_fused_rows: dict = {}  # row bucket -> GemvConfig of the small-M GEMM (absent: unfused)
         self.o_fused_rows: dict = {}
+        self.qkv_folded: torch.Tensor | None = None  # qkv weight x input norm weight (LlamaForCausalLM.fold_norms)
 
     def _attend(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend,
-                batch: ForwardBatch, meta: object, kv: PagedKVCache) -> torch.Tensor:
+                batch: ForwardBatch, meta: object, kv: PagedKVCache,
+                norm_of: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """norm_of: (residual, eps) when qkv came from qkv_folded: the RoPE + store kernel finishes the norm."""
         t, heads = qkv.shape[0], self.num_heads + self.num_kv_heads
         # q and k sit side by side in qkv: rotate them with one RoPE application
         qk = qkv[:, :self.q_size + self.kv_size].view(t, heads, self.head_dim)
@@ -98,7 +109,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
         if backend.fuses_rope:  # RoPE and the K/V store in one kernel; o_proj's weight streams into L2 meanwhile
-            return backend.forward_rope(self.layer, qk, v, cos_sin, batch, meta, kv, prefetch=self.o_proj.weight)
+            return backend.forward_rope(self.layer, qk, v, cos_sin, batch, meta, kv, prefetch=self.o_proj.weight,
+                                        norm_of=norm_of)
         qk = apply_rope(qk, *cos_sin)
         return backend.forward(self.layer, qk[:, :self.num_heads], qk[:, self.num_heads:], v, batch, meta, kv)
 
@@ -139,6 +151,7 @@ class MLP(nn.Module):
         self.down_fused = None  # GemvConfig: SwiGLU in the prologue, residual add in the epilogue
         self.gate_up_fused_rows: dict = {}  # row bucket -> GemvConfig of the small-M GEMM (absent: unfused)
         self.down_fused_rows: dict = {}
+        self.gate_up_folded: torch.Tensor | None = None  # gate_up weight x post-attention norm weight (fold_norms)
 
     def fused_configs(self, m: int) -> tuple:
         return (fused_config(self.gate_up_fused, self.gate_up_fused_rows, m),
@@ -312,6 +325,8 @@ class LlamaForCausalLM(nn.Module):
                 aux_ids, aux: list[torch.Tensor], reduce=None) -> torch.Tensor:
         """The unfused layer loop; returns the final normed hidden and appends the aux layers' outputs to aux.
         reduce: tensor parallelism's all-reduce of each attention and MLP output (a rank's partial sums)."""
+        if reduce is None and self._folds(h, meta):
+            return self._layers_folded(h, cos_sin, batch, meta, kv, aux_ids, aux)
         # Residual stream h_i = h_(i-1) + attn + mlp; each add is fused into the norm that follows it,
         # so h_i materialises as `residual` at the start of layer i + 1 (and at the final norm).
         residual, delta = h, None
@@ -333,6 +348,63 @@ class LlamaForCausalLM(nn.Module):
         if len(self.layers) - 1 in aux_ids:
             aux.append(h)
         return normed
+
+    def fold_norms(self) -> bool:
+        """Fold each layer's two RMSNorm weights into copies of its qkv and gate_up weights (W * g, column by
+        column), for the unfused GPU forwards: RMSNorm(x) @ W^T = (x @ (W * g)^T) / rms(x), so the GEMM takes the
+        residual as it is and the RoPE + store and SwiGLU kernels scale each row by its 1/rms; the residual adds ride
+        in the o / down GEMMs (addmm). A verify layer then launches 8 kernels instead of 10. Not for biased
+        projections, q/k norms or tensor parallelism; TERCEL_FOLD_NORMS (auto: while the copies take <= 1 GiB).
+        Returns whether the copies exist. Idempotent: a model shared by several engines folds once."""
+        from ..kernels import FOLD_NORMS_AUTO_BYTES, fold_norms_mode
+
+        cfg, mode = self.config, fold_norms_mode()
+        if mode == "0" or self.tp is not None or not self.layers:
+            return False
+        if cfg.attention_bias or cfg.o_proj_bias or cfg.mlp_bias or cfg.qk_norm:
+            return False
+        if self.layers[0].self_attn.qkv_folded is not None:
+            return True
+        size = sum(w.numel() * w.element_size() for layer in self.layers
+                   for w in (layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight))
+        if mode == "auto" and size > FOLD_NORMS_AUTO_BYTES:
+            return False
+        with torch.no_grad():
+            for layer in self.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                attn.qkv_folded = fold_norm_weight(attn.qkv_proj.weight, layer.input_layernorm.weight)
+                mlp.gate_up_folded = fold_norm_weight(mlp.gate_up_proj.weight, layer.post_attention_layernorm.weight)
+        return True
+
+    def _folds(self, h: torch.Tensor, meta: object) -> bool:
+        """This unfused forward runs with the norms folded: the copies exist, the switch allows it, and the attention
+        backend runs RoPE + store as its own kernel for this batch (TERCEL_FUSED_DECODE=0, the unfused reference,
+        turns it off too). Depends on the shapes and switches only."""
+        if self.layers[0].self_attn.qkv_folded is None or not use_triton(h) or not fused_decode_enabled():
+            return False
+        from ..kernels import fold_norms_mode
+
+        return fold_norms_mode() != "0" and self.attn_backend.stores_rope_apart(meta, h)
+
+    def _layers_folded(self, h: torch.Tensor, cos_sin, batch: ForwardBatch, meta: object, kv: PagedKVCache,
+                       aux_ids, aux: list[torch.Tensor]) -> torch.Tensor:
+        """_layers with the norms folded (fold_norms): per layer qkv GEMM, RoPE + store (finishing the input norm),
+        attention, o GEMM + residual, gate_up GEMM, SwiGLU (finishing the post-attention norm), down GEMM + residual."""
+        from ..kernels.fused import silu_mul
+
+        residual = h if h.is_contiguous() else h.contiguous()
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = F.linear(residual, attn.qkv_folded)
+            out = attn._attend(qkv, cos_sin, self.attn_backend, batch, meta, kv,
+                               norm_of=(residual, layer.input_layernorm.eps))
+            residual = torch.addmm(residual, out.reshape(residual.shape[0], -1), attn.o_proj.weight.t())
+            act = silu_mul(F.linear(residual, mlp.gate_up_folded), norm_of=(residual,
+                                                                              layer.post_attention_layernorm.eps))
+            residual = torch.addmm(residual, act, mlp.down_proj.weight.t())
+            if i in aux_ids:
+                aux.append(residual)
+        return self.norm.forward(residual)
 
     def _forward_tp(self, batch: ForwardBatch, kv: PagedKVCache, input_embeds: torch.Tensor | None,
                     attn_meta: object | None) -> ModelOutput:
