@@ -1091,6 +1091,48 @@ def check_draft_rope_attention(device: str, dtype: torch.dtype) -> None:
 
 
 
+def check_draft_input_and_add(device: str, dtype: torch.dtype) -> None:
+    """An EAGLE-3 draft layer whose input (embedding lookup, both norms, concatenation) is one kernel
+    (kernels.fused.embed_norms) and whose MLP residual add rides in the down product (cuBLAS addmm over three rows,
+    the batch-1 GEMV's residual epilogue over one) gives the unfused layer's hidden states (TERCEL_FUSED_DECODE=0)."""
+    from graph_utils import FakeRequests
+
+    from tercel.kernels.fused import embed_norms
+    from tercel.kernels.gemv import GemvConfig
+    from tercel.kv import PagedKVCache
+    from tercel.speculative.eagle_steps import BackendAttend
+
+    cfg, draft, backend, g = _tiny_eagle3_draft(device, dtype, 43)
+    layer = draft.midlayer
+    ids = torch.tensor([5, 0, 255, 17], device=device)
+    h = torch.randn(4, cfg.hidden_size, generator=g).to(device, dtype)
+    want = torch.cat([layer.input_layernorm(draft.embed(ids)), layer.hidden_norm(h)], dim=-1)
+    assert _rel(embed_norms(ids, draft.embed_weight, h, layer.input_layernorm.weight, layer.hidden_norm.weight,
+                            layer.input_layernorm.eps), want) < _tol(dtype) / 4
+    layer.mlp.down_proj.gemv = GemvConfig(block_n=4, block_k=64)  # one row: the GEMV with its residual epilogue
+    saved = os.environ.pop("TERCEL_FUSED_DECODE", None)
+    try:
+        for requests in (1, 3):
+            kv = PagedKVCache(draft.kv_spec(4, dtype), 64, torch.device(device))
+            kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+            kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+            batch = FakeRequests(requests, kv, cfg.vocab_size).batch(list(range(requests)), 1)
+            hidden = torch.randn(requests, draft.config.fc_in, generator=g).to(device, dtype)
+            out = {}
+            for fused in ("1", "0"):
+                os.environ["TERCEL_FUSED_DECODE"] = fused
+                kv_run = PagedKVCache(draft.kv_spec(4, dtype), 64, torch.device(device))
+                kv_run.k.copy_(kv.k)
+                kv_run.v.copy_(kv.v)
+                attend = BackendAttend(backend, batch, backend.prepare(batch, kv.block_size), kv_run)
+                out[fused] = draft(batch.input_ids, hidden, batch.positions, attend, from_target=True)
+            assert _rel(out["1"], out["0"]) < _tol(dtype) / 4, (requests, _rel(out["1"], out["0"]))
+    finally:
+        os.environ.pop("TERCEL_FUSED_DECODE", None)
+        if saved is not None:
+            os.environ["TERCEL_FUSED_DECODE"] = saved
+
+
 def check_draft_mlp_fused(device: str, dtype: torch.dtype) -> None:
     """An EAGLE-3 draft layer whose MLP takes the fused GEMVs (gemv_tuning.tune_draft: the post-attention norm
     in gate_up's prologue, SwiGLU and the residual add around down) gives the unfused layer's hidden states: one
@@ -1135,7 +1177,7 @@ ALL = [check_race, check_argmax, check_norms, check_rope_store, check_decode, ch
        check_tree_draft_attention, check_dflash_paged_attention, check_paged_dense_merge, check_chain_accept,
        check_stream_keys,
        check_sample_filter, check_tree_accept, check_ddtree_beams, check_race_logits,
-       check_topk_rows, check_draft_rope_attention, check_draft_mlp_fused, check_tree_draft,
+       check_topk_rows, check_draft_rope_attention, check_draft_input_and_add, check_draft_mlp_fused, check_tree_draft,
        check_chain_positions, check_norm_rope]
 
 

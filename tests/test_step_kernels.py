@@ -18,7 +18,7 @@ from kernel_checks import run_in_interpreter
 @pytest.mark.parametrize("check", ["check_chain_accept", "check_stream_keys", "check_sample_filter",
                                    "check_tree_accept", "check_ddtree_beams", "check_race_logits",
                                    "check_topk_rows", "check_draft_rope_attention", "check_rows_rope",
-                                   "check_gemv_q8", "check_draft_mlp_fused",
+                                   "check_gemv_q8", "check_draft_mlp_fused", "check_draft_input_and_add",
                                    "check_tree_draft", "check_chain_positions", "check_norm_rope"])
 def test_the_one_launch_kernel_equals_the_torch_ops(check):
     run_in_interpreter(check)

@@ -4,6 +4,7 @@
   rms_norm      RMSNorm alone (the first layer's input)
   silu_mul      SwiGLU: silu(gate) * up from the fused gate_up projection
   rope_store    RoPE on q and k, k and v written straight into the paged cache, rotated q returned
+  embed_norms   an EAGLE-3 draft layer's input: embedding lookup, its norm and the hidden state's, concatenated
 silu_mul and rope_store can also finish an RMSNorm folded into the weight before them (norm_of): the GEMM
 multiplied the raw residual by weight * norm weight, and each row is scaled by its residual's 1/rms here.
 
@@ -240,3 +241,46 @@ def rope_store(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.
             BLOCK_HV=triton.next_power_of_2(nkv), NORM=norm_of is not None, BLOCK_R=triton.next_power_of_2(hidden),
             PDL=pdl, num_warps=4, **(dict(launch_pdl=True) if pdl else {}))
     return q_out
+
+
+@triton.jit
+def _embed_norms_kernel(IDS, E, H, WE, WH, Y, stride_e, stride_h, stride_y, n_cols, eps,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < n_cols
+    we = tl.load(WE + offs, mask=m, other=0.0).to(tl.float32)  # the weights never depend on the previous kernel
+    wh = tl.load(WH + offs, mask=m, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    tok = tl.load(IDS + row).to(tl.int64)
+    e = tl.load(E + tok * stride_e + offs, mask=m, other=0.0)
+    h = tl.load(H + row * stride_h + offs, mask=m, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    ef, hf = e.to(tl.float32), h.to(tl.float32)
+    re = tl.rsqrt(tl.sum(ef * ef, axis=0) / n_cols + eps)
+    rh = tl.rsqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
+    # rounded as _rms_norm_kernel rounds: the normalised value, then its product with the weight
+    ye = (ef * re).to(e.dtype).to(tl.float32) * we
+    yh = (hf * rh).to(e.dtype).to(tl.float32) * wh
+    tl.store(Y + row * stride_y + offs, ye.to(e.dtype), mask=m)
+    tl.store(Y + row * stride_y + n_cols + offs, yh.to(e.dtype), mask=m)
+
+
+def embed_norms(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor, w_embed: torch.Tensor,
+                w_hidden: torch.Tensor, eps: float) -> torch.Tensor:
+    """cat([rms_norm(table[ids]) * w_embed, rms_norm(hidden) * w_hidden], -1) in one launch (an EAGLE-3 draft
+    layer's input: the embedding lookup, its two norms and the concatenation were four): ids [N], table [V, H],
+    hidden [N, H] (all one dtype, last dims contiguous), both norms with one eps -> [N, 2H]."""
+    n, cols = hidden.shape
+    if table.stride(-1) != 1 or hidden.stride(-1) != 1 or table.dtype != hidden.dtype:
+        raise ValueError(f"embed_norms needs contiguous last dims and one dtype, got table {table.dtype} "
+                         f"{tuple(table.stride())}, hidden {hidden.dtype} {tuple(hidden.stride())}.")
+    y = torch.empty((n, 2 * cols), dtype=hidden.dtype, device=hidden.device)
+    if n:
+        pdl = pdl_small(hidden, norm=True)
+        _embed_norms_kernel[(n,)](ids, table, hidden, w_embed, w_hidden, y, table.stride(0), hidden.stride(0),
+                                  y.stride(0), cols, eps, BLOCK=triton.next_power_of_2(cols), PDL=pdl, num_warps=4,
+                                  **(dict(launch_pdl=True) if pdl else {}))
+    return y

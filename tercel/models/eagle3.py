@@ -249,33 +249,50 @@ class EagleDraftModel(nn.Module):
         self._target_head = lm_head.detach()
         self._target_head_fn = head_fn
 
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        """The embedding table: the draft's own or the target's."""
+        return self.embed_tokens.weight if self.embed_tokens is not None else self._target_embed
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.embed_tokens is not None:
-            return self.embed_tokens(ids)
-        return F.embedding(ids, self._target_embed)
+        return F.embedding(ids, self.embed_weight)
 
     def forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
                 from_target: bool) -> torch.Tensor:
         """ids, positions: [N]; hidden: [N, fc_in] target aux states (from_target, EAGLE-3) or [N, H]."""
         cos_sin = self.rope.lookup(positions)
         dtype = self.fc.weight.dtype  # a draft may run wider than its target (speculative/eagle.py)
-        hidden, emb = hidden.to(dtype), self.embed(ids).to(dtype)
+        hidden = hidden.to(dtype)
         if self.config.kind == "eagle3":
             h = self.fc(hidden) if from_target else hidden
             layer = self.midlayer
-            x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(h)], dim=-1)
+            x = self._layer_input(ids, h)
             a = attention(layer.self_attn, x, cos_sin, attend)
             if _mlp_fused(layer.mlp, h):  # the norm, SwiGLU and residual add in the MLP's two GEMVs
                 return layer.mlp.forward_fused(a + h, layer.post_attention_layernorm)
-            # the residual add rides in the norm's launch on a GPU (add_forward)
+            # the residual adds ride in the norm's launch and the down product on a GPU
             x, h = layer.post_attention_layernorm.add_forward(a, h)
-            return h + layer.mlp(x)
+            return layer.mlp.forward_add(x, h)
+        emb = self.embed(ids).to(dtype)
         h = self.fc(torch.cat([emb, hidden], dim=-1))
         for layer in self.layers:
             x = h if layer.input_layernorm is None else layer.input_layernorm(h)
             x, h = layer.post_attention_layernorm.add_forward(attention(layer.self_attn, x, cos_sin, attend), h)
             h = h + layer.mlp(x)
         return h
+
+    def _layer_input(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3's layer input [input_layernorm(embed(ids)) ; hidden_norm(h)]: one kernel on the GPU
+        (kernels.fused.embed_norms) where the embedding table has the draft's dtype, else four ops."""
+        layer = self.midlayer
+        ln, hn = layer.input_layernorm, layer.hidden_norm
+        table = self.embed_weight
+        if (h.dim() == 2 and ids.dim() == 1 and table.dtype == h.dtype and ln.eps == hn.eps and fused_decode_enabled()
+                and use_triton(h, ln.weight, hn.weight, table)):
+            from ..kernels.fused import embed_norms
+
+            return embed_norms(ids, table, h if h.stride(-1) == 1 else h.contiguous(), ln.weight, hn.weight, ln.eps)
+        return torch.cat([ln(self.embed(ids).to(h.dtype)), hn(h)], dim=-1)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits (float32) from pre-norm hidden states."""

@@ -172,6 +172,20 @@ class MLP(nn.Module):
         from ..kernels.fused import silu_mul
         return residual + linear(silu_mul(gate_up), self.down_proj.weight, self.down_proj.gemv, self.down_proj.bias)
 
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + mlp(x), the add inside the down product on the GPU (cuBLAS addmm, or the tuned batch-1 GEMV's
+        residual epilogue): one launch fewer than the add after it."""
+        if self.down_proj.bias is not None or x.dim() != 2 or not use_triton(x, residual) or not fused_decode_enabled():
+            return residual + self.forward(x)
+        from ..kernels.fused import silu_mul
+        from ..kernels.gemv import GemvConfig, gemv
+
+        act = silu_mul(linear(x, self.gate_up_proj.weight, self.gate_up_proj.gemv, self.gate_up_proj.bias))
+        config = self.down_proj.gemv
+        if isinstance(config, GemvConfig) and act.shape[0] == 1 and residual.is_contiguous():
+            return gemv(act, self.down_proj.weight, config, residual=residual)
+        return torch.addmm(residual, act, self.down_proj.weight.t())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # modules bypassed: see Attention
         gate_up = linear(x, self.gate_up_proj.weight, self.gate_up_proj.gemv, self.gate_up_proj.bias)
