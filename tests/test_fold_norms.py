@@ -1,7 +1,8 @@
 """Norms folded into the weights (LlamaForCausalLM.fold_norms, TERCEL_FOLD_NORMS): the unfused GPU forwards take
 copies of qkv and gate_up multiplied by their RMSNorm weights, and the RoPE + store and SwiGLU kernels finish each
 norm with the residual row's 1/rms. A verify, a batch of verifies and a prefill with logits on its last rows give
-the unfolded forward's logits, K/V cache and captured hidden states (fp32 within 1e-4, the same greedy tokens);
+the unfolded forward's logits, K/V cache and captured hidden states (fp32 within 1e-4 and the same greedy tokens,
+bf16 within 3% of each tensor's norm);
 biased projections, q/k norms and a too-large copy under auto stay unfolded; a bad switch value is named. CPU: the
 forwards run under TRITON_INTERPRET=1 in a subprocess (run this file directly to do the same); GPU: natively."""
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import kernel_checks  # noqa: E402,F401  (under TRITON_INTERPRET=1: the interpreter's numpy-2 patch)
 from graph_utils import FakeRequests, kv_pool, tiny_model  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
@@ -47,7 +49,17 @@ def compare_folded_unfolded(device: str, dtype: torch.dtype = torch.float32) -> 
                                model.layers[1].mlp.gate_up_proj.weight.float() * norm.float(), atol=1e-6, rtol=1e-2)
     kv_f, kv_u = kv_pool(cfg, device, dtype, 100, 16), kv_pool(cfg, device, dtype, 100, 16)
     reqs = FakeRequests(3, kv_f, cfg.vocab_size)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    fp32 = dtype == torch.float32
+    tol = 1e-4 if fp32 else 3e-2
+
+    def close(got: torch.Tensor, want: torch.Tensor) -> None:
+        """fp32: element by element; bf16: relative to the whole tensor (the folded weight and the 1/rms after the
+        GEMM round elsewhere than the norm, so a small element can move by a bf16 step of a larger one)."""
+        if fp32:
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+        else:
+            rel = float((got.double() - want.double()).norm() / want.double().norm())
+            assert rel < tol, rel
     prefill = dataclasses.replace(reqs.batch([0, 2], 5), logits_indices=torch.tensor([4, 9], device=device))
     for batch in (reqs.batch([1], 4), reqs.batch([0, 2], 3), prefill):
         batch = dataclasses.replace(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
@@ -58,11 +70,12 @@ def compare_folded_unfolded(device: str, dtype: torch.dtype = torch.float32) -> 
         got = _with_fold("1", lambda: model(batch, kv_f))
         want = _with_fold("0", lambda: model(batch, kv_u))
         assert got.logits.shape == want.logits.shape == (batch.logits_indices.shape[0], cfg.vocab_size)
-        torch.testing.assert_close(got.logits, want.logits, atol=tol, rtol=tol)
-        assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
-        torch.testing.assert_close(got.hidden_states, want.hidden_states, atol=tol, rtol=tol)
-    torch.testing.assert_close(kv_f.k, kv_u.k, atol=tol, rtol=tol)
-    torch.testing.assert_close(kv_f.v, kv_u.v, atol=tol, rtol=tol)
+        close(got.logits, want.logits)
+        if fp32:  # bf16 may part at a near-tie of a random model's logits
+            assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+        close(got.hidden_states, want.hidden_states)
+    close(kv_f.k, kv_u.k)
+    close(kv_f.v, kv_u.v)
 
 
 def _interpreter_available() -> bool:
