@@ -1091,16 +1091,43 @@ def check_draft_rope_attention(device: str, dtype: torch.dtype) -> None:
 
 
 
+def _draft_fused_equals_unfused(device: str, dtype: torch.dtype, cfg, draft, backend, g, requests: int) -> None:
+    """The draft's hidden states over `requests` one-token decode rows (random K/V and target hidden states) with
+    TERCEL_FUSED_DECODE=1 equal those with 0 (the unfused layer), each run on its own copy of the K/V."""
+    from graph_utils import FakeRequests
+
+    from tercel.kv import PagedKVCache
+    from tercel.speculative.eagle_steps import BackendAttend
+
+    kv = PagedKVCache(draft.kv_spec(4, dtype), 64, torch.device(device))
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+    batch = FakeRequests(requests, kv, cfg.vocab_size).batch(list(range(requests)), 1)
+    hidden = torch.randn(requests, draft.config.fc_in, generator=g).to(device, dtype)
+    out = {}
+    for fused in ("1", "0"):
+        os.environ["TERCEL_FUSED_DECODE"] = fused
+        kv_run = PagedKVCache(draft.kv_spec(4, dtype), 64, torch.device(device))
+        kv_run.k.copy_(kv.k)
+        kv_run.v.copy_(kv.v)
+        attend = BackendAttend(backend, batch, backend.prepare(batch, kv.block_size), kv_run)
+        out[fused] = draft(batch.input_ids, hidden, batch.positions, attend, from_target=True)
+    assert _rel(out["1"], out["0"]) < _tol(dtype) / 4, (requests, _rel(out["1"], out["0"]))
+
+
+def _restore_env(saved: dict[str, str | None]) -> None:
+    for k, v in saved.items():
+        os.environ.pop(k, None)
+        if v is not None:
+            os.environ[k] = v
+
+
 def check_draft_input_and_add(device: str, dtype: torch.dtype) -> None:
     """An EAGLE-3 draft layer whose input (embedding lookup, both norms, concatenation) is one kernel
     (kernels.fused.embed_norms) and whose MLP residual add rides in the down product (cuBLAS addmm over three rows,
     the batch-1 GEMV's residual epilogue over one) gives the unfused layer's hidden states (TERCEL_FUSED_DECODE=0)."""
-    from graph_utils import FakeRequests
-
     from tercel.kernels.fused import embed_norms
     from tercel.kernels.gemv import GemvConfig
-    from tercel.kv import PagedKVCache
-    from tercel.speculative.eagle_steps import BackendAttend
 
     cfg, draft, backend, g = _tiny_eagle3_draft(device, dtype, 43)
     layer = draft.midlayer
@@ -1110,39 +1137,20 @@ def check_draft_input_and_add(device: str, dtype: torch.dtype) -> None:
     assert _rel(embed_norms(ids, draft.embed_weight, h, layer.input_layernorm.weight, layer.hidden_norm.weight,
                             layer.input_layernorm.eps), want) < _tol(dtype) / 4
     layer.mlp.down_proj.gemv = GemvConfig(block_n=4, block_k=64)  # one row: the GEMV with its residual epilogue
-    saved = os.environ.pop("TERCEL_FUSED_DECODE", None)
+    saved = {"TERCEL_FUSED_DECODE": os.environ.pop("TERCEL_FUSED_DECODE", None)}
     try:
         for requests in (1, 3):
-            kv = PagedKVCache(draft.kv_spec(4, dtype), 64, torch.device(device))
-            kv.k.copy_(torch.randn(kv.k.shape, generator=g))
-            kv.v.copy_(torch.randn(kv.v.shape, generator=g))
-            batch = FakeRequests(requests, kv, cfg.vocab_size).batch(list(range(requests)), 1)
-            hidden = torch.randn(requests, draft.config.fc_in, generator=g).to(device, dtype)
-            out = {}
-            for fused in ("1", "0"):
-                os.environ["TERCEL_FUSED_DECODE"] = fused
-                kv_run = PagedKVCache(draft.kv_spec(4, dtype), 64, torch.device(device))
-                kv_run.k.copy_(kv.k)
-                kv_run.v.copy_(kv.v)
-                attend = BackendAttend(backend, batch, backend.prepare(batch, kv.block_size), kv_run)
-                out[fused] = draft(batch.input_ids, hidden, batch.positions, attend, from_target=True)
-            assert _rel(out["1"], out["0"]) < _tol(dtype) / 4, (requests, _rel(out["1"], out["0"]))
+            _draft_fused_equals_unfused(device, dtype, cfg, draft, backend, g, requests)
     finally:
-        os.environ.pop("TERCEL_FUSED_DECODE", None)
-        if saved is not None:
-            os.environ["TERCEL_FUSED_DECODE"] = saved
+        _restore_env(saved)
 
 
 def check_draft_mlp_fused(device: str, dtype: torch.dtype) -> None:
     """An EAGLE-3 draft layer whose MLP takes the fused GEMVs (gemv_tuning.tune_draft: the post-attention norm
     in gate_up's prologue, SwiGLU and the residual add around down) gives the unfused layer's hidden states: one
     row (the chain's draft steps) and, with TERCEL_SMALL_M=rowgrid, three (draft_extend's rows)."""
-    from graph_utils import FakeRequests
-
     from tercel.kernels.gemv import GemvConfig
-    from tercel.kv import PagedKVCache
     from tercel.models.gemv_tuning import rowgrid_rows
-    from tercel.speculative.eagle_steps import BackendAttend
 
     cfg, draft, backend, g = _tiny_eagle3_draft(device, dtype, 41)
     mlp = draft.midlayer.mlp
@@ -1152,33 +1160,73 @@ def check_draft_mlp_fused(device: str, dtype: torch.dtype) -> None:
         for requests, small_m in ((1, "0"), (3, "rowgrid")):
             os.environ["TERCEL_SMALL_M"] = small_m
             rowgrid_rows(draft)  # the rows tables (read only when TERCEL_SMALL_M is on)
-            kv = PagedKVCache(draft.kv_spec(4, dtype), 64, torch.device(device))
-            kv.k.copy_(torch.randn(kv.k.shape, generator=g))
-            kv.v.copy_(torch.randn(kv.v.shape, generator=g))
-            batch = FakeRequests(requests, kv, cfg.vocab_size).batch(list(range(requests)), 1)
-            hidden = torch.randn(requests, draft.config.fc_in, generator=g).to(device, dtype)
-            out = {}
-            for fused in ("1", "0"):
-                os.environ["TERCEL_FUSED_DECODE"] = fused
-                kv_run = PagedKVCache(draft.kv_spec(4, dtype), 64, torch.device(device))
-                kv_run.k.copy_(kv.k)
-                kv_run.v.copy_(kv.v)
-                attend = BackendAttend(backend, batch, backend.prepare(batch, kv.block_size), kv_run)
-                out[fused] = draft(batch.input_ids, hidden, batch.positions, attend, from_target=True)
-            assert _rel(out["1"], out["0"]) < _tol(dtype) / 4, (requests, _rel(out["1"], out["0"]))
+            _draft_fused_equals_unfused(device, dtype, cfg, draft, backend, g, requests)
     finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None)
-            if v is not None:
-                os.environ[k] = v
+        _restore_env(saved)
+
+def check_folded_norms(device: str, dtype: torch.dtype) -> None:
+    """LlamaForCausalLM.fold_norms: a verify of one request, of two, and a prefill with logits on its last rows give
+    the unfolded forward's logits, captured hidden states and K/V cache (fp32 within 1e-4 and the same greedy
+    tokens; bf16 within 2% of each tensor's norm, since the folded weight and the 1/rms after the GEMM round
+    elsewhere than the norm)."""
+    import dataclasses
+
+    from graph_utils import FakeRequests, kv_pool, tiny_model
+
+    from tercel.attention.triton_backend import TritonAttentionBackend
+    from tercel.forward_batch import CaptureHiddenMode
+
+    model, cfg = tiny_model(device, dtype, num_hidden_layers=3)
+    if not isinstance(model.attn_backend, TritonAttentionBackend):  # CPU under the interpreter
+        model.attn_backend = TritonAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, None, num_sms=8)
+    model.set_aux_layers((0, 2))
+    saved = {"TERCEL_FOLD_NORMS": os.environ.get("TERCEL_FOLD_NORMS")}
+
+    def folded(mode: str, fn):
+        os.environ["TERCEL_FOLD_NORMS"] = mode
+        return fn()
+
+    fp32 = dtype == torch.float32
+
+    def close(got: torch.Tensor, want: torch.Tensor) -> None:
+        if fp32:
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        else:
+            assert _rel(got, want) < _tol(dtype), _rel(got, want)
+
+    try:
+        assert folded("1", model.fold_norms) and model.layers[1].mlp.gate_up_folded is not None
+        mlp, norm = model.layers[1].mlp, model.layers[1].post_attention_layernorm
+        assert _rel(mlp.gate_up_folded, mlp.gate_up_proj.weight.float() * norm.weight.float()) < _tol(dtype) / 4
+        kv_f, kv_u = kv_pool(cfg, device, dtype, 100, 16), kv_pool(cfg, device, dtype, 100, 16)
+        reqs = FakeRequests(3, kv_f, cfg.vocab_size)
+        prefill = dataclasses.replace(reqs.batch([0, 2], 5), logits_indices=torch.tensor([4, 9], device=device))
+        for batch in (reqs.batch([1], 4), reqs.batch([0, 2], 3), prefill):
+            batch = dataclasses.replace(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
+            meta = model.attn_backend.prepare(batch, kv_f.block_size)
+            h = torch.zeros(batch.input_ids.shape[0], cfg.hidden_size, device=device, dtype=dtype)
+            assert folded("1", lambda: model._folds(h, meta)), "the folded layers did not take this batch"
+            assert not folded("0", lambda: model._folds(h, meta))
+            got = folded("1", lambda: model(batch, kv_f))
+            want = folded("0", lambda: model(batch, kv_u))
+            assert got.logits.shape == want.logits.shape == (batch.logits_indices.shape[0], cfg.vocab_size)
+            close(got.logits, want.logits)
+            if fp32:  # bf16 may part at a near-tie of a random model's logits
+                assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+            close(got.hidden_states, want.hidden_states)
+        close(kv_f.k, kv_u.k)
+        close(kv_f.v, kv_u.v)
+    finally:
+        _restore_env(saved)
+
 
 ALL = [check_race, check_argmax, check_norms, check_rope_store, check_decode, check_extend, check_gemv,
        check_gemv_fused, check_gemm_small, check_gemv_q8, check_decode_rope, check_rows_rope,
        check_tree_draft_attention, check_dflash_paged_attention, check_paged_dense_merge, check_chain_accept,
        check_stream_keys,
        check_sample_filter, check_tree_accept, check_ddtree_beams, check_race_logits,
-       check_topk_rows, check_draft_rope_attention, check_draft_input_and_add, check_draft_mlp_fused, check_tree_draft,
-       check_chain_positions, check_norm_rope]
+       check_topk_rows, check_draft_rope_attention, check_draft_input_and_add, check_draft_mlp_fused,
+       check_folded_norms, check_tree_draft, check_chain_positions, check_norm_rope]
 
 
 def run_in_interpreter(check: str, timeout: int = 300) -> None:
